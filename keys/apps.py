@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class KeysConfig(AppConfig):
+    name = "keys"
+    verbose_name = "API keys"
+    default_auto_field = "django.db.models.BigAutoField"

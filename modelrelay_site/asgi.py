@@ -1,0 +1,37 @@
+"""ASGI entry point: ``daphne modelrelay_site.asgi:application``.
+
+HTTP: the relay's hot-path routes are answered by :class:`relay.http.RelayHttpApp`
+before Django is involved; everything else goes to Django.
+WebSocket: ``/v1/worker/connect`` is the worker endpoint. It is deliberately not
+wrapped in ``AllowedHostsOriginValidator``: workers send no ``Origin`` header.
+"""
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "modelrelay_site.settings")
+
+from django.core.asgi import get_asgi_application
+
+django_application = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from django.urls import path, re_path  # noqa: E402
+
+from modelrelay_site import daphne_compat  # noqa: E402
+from relay.consumers import WorkerConsumer  # noqa: E402
+from relay.http import RelayHttpApp  # noqa: E402
+from relay.rejecting import RejectingConsumer  # noqa: E402
+
+daphne_compat.install()
+
+application = ProtocolTypeRouter(
+    {
+        "http": RelayHttpApp(django_application),
+        "websocket": URLRouter(
+            [
+                path("v1/worker/connect", WorkerConsumer.as_asgi()),
+                re_path(r"", RejectingConsumer.as_asgi()),
+            ]
+        ),
+    }
+)

@@ -1,0 +1,38 @@
+"""Let daphne close worker sockets with the code and reason the application gives.
+
+daphne (4.2.x) drops the ``reason`` of an ASGI ``websocket.close`` message and
+hands the code to autobahn's ``sendClose``, which only allows 1000 and 3000-4999.
+The protocol needs the standard codes too (1002 protocol error, 1008 policy,
+1012 restart), each with a reason a worker can log. This wraps daphne's reply
+handler so an application close goes out as exactly that close frame.
+Installed only when daphne is the server in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def install() -> None:
+    if "daphne.server" not in sys.modules:
+        return
+    from daphne.ws_protocol import WebSocketProtocol
+
+    if getattr(WebSocketProtocol, "_relay_close_frames", False):
+        return
+    original = WebSocketProtocol.handle_reply
+
+    def handle_reply(self: Any, message: dict[str, Any]) -> None:
+        if message.get("type") == "websocket.close" and self.state != self.STATE_CONNECTING:
+            reason = message.get("reason") or ""
+            self.sendCloseFrame(
+                code=message.get("code") or 1000,
+                reasonUtf8=reason.encode()[:123] or None,
+                isReply=False,
+            )
+            return
+        original(self, message)
+
+    WebSocketProtocol.handle_reply = handle_reply
+    WebSocketProtocol._relay_close_frames = True

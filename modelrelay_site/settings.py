@@ -1,0 +1,196 @@
+"""Django settings for ModelRelay, read from the environment in one place.
+
+Every timing and size limit has a name and a documented default (README, "Settings").
+``*_SECS`` values accept decimals so tests and demos can use sub-second timings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+
+from modelrelay_site.env import (
+    env_bool,
+    env_float,
+    env_int,
+    env_list,
+    env_str,
+    persisted_secret,
+)
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / "var"))).resolve()
+
+MIB = 1024 * 1024
+
+# --- Django core -------------------------------------------------------------
+
+DEBUG = env_bool("DEBUG", False)
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "") or persisted_secret(
+    DATA_DIR / "secret_key", nbytes=48
+)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "relay",
+    "workers_app",
+    "keys",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "modelrelay_site.urls"
+ASGI_APPLICATION = "modelrelay_site.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# Persistent connections leak under ASGI (one connection per short-lived thread),
+# so connections are never kept; PostgreSQL gets psycopg's pool instead.
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'db.sqlite3'}"),
+        conn_max_age=0,
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": 1,
+        "max_size": env_int("DATABASE_POOL_SIZE", 10, minimum=1),
+    }
+elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
+    )
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = env_str("STATIC_ROOT", "") or None  # set for collectstatic (Docker)
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+}
+# Serve static files straight from the finders: `make run` needs no collectstatic step.
+WHITENOISE_USE_FINDERS = True
+
+LOGIN_URL = "/django-admin/login/"
+MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
+
+# --- Channels ----------------------------------------------------------------
+
+REDIS_URL = env_str("REDIS_URL", "")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {
+                # redis-py 8 defaults to a 5 s socket timeout, which kills idle receivers.
+                "hosts": [{"address": REDIS_URL, "socket_timeout": None}],
+                "capacity": 1000,
+                "expiry": 30,
+            },
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# --- ModelRelay --------------------------------------------------------------
+
+LISTEN_ADDR = env_str("LISTEN_ADDR", "127.0.0.1:8080")
+PUBLIC_URL = env_str("PUBLIC_URL", "")
+PROVIDER_NAME = env_str("PROVIDER_NAME", "local")
+WORKER_SECRET = env_str("WORKER_SECRET", "")
+SECRET_PEPPER = env_str("MODELRELAY_SECRET_PEPPER", "") or persisted_secret(DATA_DIR / "pepper")
+
+MAX_QUEUE_LEN = env_int("MAX_QUEUE_LEN", 100)
+QUEUE_TIMEOUT_SECS = env_float("QUEUE_TIMEOUT_SECS", 30.0)
+REQUEST_TIMEOUT_SECS = env_float("REQUEST_TIMEOUT_SECS", 300.0)
+HEARTBEAT_INTERVAL_SECS = env_float("HEARTBEAT_INTERVAL_SECS", 15.0)
+HEARTBEAT_TIMEOUT_SECS = env_float("HEARTBEAT_TIMEOUT_SECS", 45.0)
+REGISTER_TIMEOUT_SECS = env_float("REGISTER_TIMEOUT_SECS", 10.0)
+MAX_REQUEUE_COUNT = env_int("MAX_REQUEUE_COUNT", 3)
+MAX_MODELS_PER_WORKER = env_int("MAX_MODELS_PER_WORKER", 256, minimum=1)
+MAX_MODEL_NAME_LEN = env_int("MAX_MODEL_NAME_LEN", 256, minimum=1)
+MAX_MESSAGE_BYTES = env_int("MAX_MESSAGE_BYTES", 64 * MIB, minimum=1024)
+MAX_STREAM_BYTES = env_int("MAX_STREAM_BYTES", 256 * MIB, minimum=1)
+MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 32 * MIB, minimum=1024)
+MODEL_MEMORY_SECS = env_float("MODEL_MEMORY_SECS", 600.0, positive=False)
+DRAIN_TIMEOUT_SECS = env_float("DRAIN_TIMEOUT_SECS", 300.0)
+SHUTDOWN_GRACE_SECS = env_float("SHUTDOWN_GRACE_SECS", 30.0, positive=False)
+PROVIDER_SYNC_SECS = env_float("PROVIDER_SYNC_SECS", 2.0)
+REQUIRE_PROTOCOL_VERSION = env_bool("REQUIRE_PROTOCOL_VERSION", False)
+
+AUTH_MAX_FAILURES = env_int("AUTH_MAX_FAILURES", 5, minimum=1)
+AUTH_FAILURE_WINDOW_SECS = env_float("AUTH_FAILURE_WINDOW_SECS", 60.0)
+AUTH_BLOCK_SECS = env_float("AUTH_BLOCK_SECS", 300.0)
+TRUSTED_PROXIES = env_list("TRUSTED_PROXIES", [])
+
+MODELRELAY_ADMIN_TOKEN = env_str("MODELRELAY_ADMIN_TOKEN", "")
+MODELRELAY_METRICS_TOKEN = env_str("MODELRELAY_METRICS_TOKEN", "")
+MODELRELAY_REQUIRE_API_KEYS = env_bool("MODELRELAY_REQUIRE_API_KEYS", False)
+CORS_ALLOWED_ORIGINS = env_list("CORS_ALLOWED_ORIGINS", [])
+AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 30, minimum=1)
+
+# --- Logging -----------------------------------------------------------------
+
+LOG_LEVEL = env_str("LOG_LEVEL", "info").upper()
+if LOG_LEVEL not in {"TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"}:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(
+        f"LOG_LEVEL must be one of debug, info, warning, error; got {LOG_LEVEL!r}"
+    )
+LOG_LEVEL = {"TRACE": "DEBUG", "WARN": "WARNING"}.get(LOG_LEVEL, LOG_LEVEL)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)-7s %(name)s: %(message)s"},
+    },
+    "handlers": {
+        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+    },
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        "daphne": {"level": "WARNING"},
+        "django.channels.server": {"level": "WARNING"},
+    },
+}

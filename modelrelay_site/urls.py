@@ -1,0 +1,10 @@
+from django.contrib import admin
+from django.urls import path
+
+admin.site.site_header = "ModelRelay"
+admin.site.site_title = "ModelRelay admin"
+admin.site.index_title = "Operations"
+
+urlpatterns = [
+    path("django-admin/", admin.site.urls),
+]

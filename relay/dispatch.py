@@ -1,0 +1,738 @@
+"""The relay core: admission, routing, the wait queue, deadlines and cancellation.
+
+One :class:`Relay` per server process. Every method is synchronous and runs on the
+event loop, so each decision (pick a worker and reserve its slot, dequeue and
+assign, free a slot and hand it on) is atomic with respect to every other: there is
+no ``await`` between looking and acting.
+
+Request lifecycle::
+
+    submit ─► QUEUED ──(capacity appears)──► ASSIGNED ──► DONE
+                │  ▲                             │
+                │  └──── worker lost, nothing ◄──┘
+                │        delivered yet (requeue)
+                └──► DONE (queue timeout, cancel, provider disabled/deleted)
+
+Every request has exactly one timer armed: its queue deadline while queued, its
+lifetime deadline while assigned. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+import time
+from collections.abc import Callable, Iterable
+
+from relay import protocol
+from relay.config import ProviderPolicy, RelayConfig
+from relay.errors import (
+    Flavor,
+    ModelNotFound,
+    ProviderDisabled,
+    ProviderGone,
+    QueueFull,
+    QueueTimeout,
+    RelayError,
+    RequestTimeout,
+    RequeueExhausted,
+    ShuttingDown,
+    StreamTooLarge,
+    WorkerFailed,
+    WorkerLost,
+)
+from relay.protocol import CancelReason
+from relay.queue import ProviderQueue
+from relay.registry import Registry, Worker, WorkerLink, next_worker_id, sanitize_models
+from relay.request import CANCELLED, Completion, Phase, RelayRequest
+from relay.stats import RelayStats, RequestRecord
+
+logger = logging.getLogger("relay")
+
+Observer = Callable[[RequestRecord], None]
+
+
+class ProviderState:
+    __slots__ = ("policy", "queue", "touched")
+
+    def __init__(self, policy: ProviderPolicy, touched: float) -> None:
+        self.policy = policy
+        self.queue = ProviderQueue()
+        self.touched = touched
+
+
+class Relay:
+    def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        self.instance = instance or secrets.token_hex(2)
+        self.registry = Registry(model_memory=config.model_memory)
+        self.providers: dict[str, ProviderState] = {}
+        self.stats = RelayStats()
+        self.observers: list[Observer] = [self.stats.observe]
+        self.started_wall = time.time()
+        self.shutting_down = False
+        self.active = 0
+        self._seq = 0
+        self._idle = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._drain_timers: dict[str, asyncio.TimerHandle] = {}
+
+    # ------------------------------------------------------------------ providers
+
+    def set_provider(self, policy: ProviderPolicy) -> None:
+        """Create or update a provider; disabling fails its queue and closes its workers."""
+        state = self.providers.get(policy.name)
+        if state is None:
+            self.providers[policy.name] = ProviderState(policy, self.loop.time())
+        else:
+            state.policy = policy
+            state.touched = self.loop.time()
+        if not policy.enabled:
+            self._evict_provider(policy.name, ProviderDisabled, "provider disabled")
+
+    def sync_providers(self, policies: Iterable[ProviderPolicy], *, as_of: float) -> None:
+        """Replace the provider set with a snapshot read at loop time ``as_of``.
+
+        Providers touched after the snapshot was taken (a worker authenticated
+        against a row created meanwhile) are kept: the snapshot is older than them.
+        """
+        seen = set()
+        for policy in policies:
+            seen.add(policy.name)
+            current = self.providers.get(policy.name)
+            if current is None or current.policy != policy:
+                self.set_provider(policy)
+        for name in [n for n, s in self.providers.items() if n not in seen and s.touched < as_of]:
+            self.remove_provider(name)
+
+    def remove_provider(self, name: str) -> None:
+        """The provider was deleted: its queue fails and its workers are closed."""
+        self._evict_provider(name, ProviderGone, "provider deleted")
+        self.providers.pop(name, None)
+        self.registry.forget_provider(name)
+
+    def _evict_provider(self, name: str, error: type[RelayError], reason: str) -> None:
+        state = self.providers.get(name)
+        if state is not None:
+            for request in state.queue.drain():
+                self._finish(request, error())
+        for worker in self.registry.of_provider(name):
+            self.close_worker(worker, 1008, reason)
+
+    def _candidates(self, model: str) -> list[ProviderState]:
+        """Enabled providers that can serve ``model``, best first; raises when none.
+
+        Preference: a connected worker advertises it, then the provider declares it,
+        then a worker advertised it within ``model_memory``.
+        """
+        now = self.loop.time()
+        ranked: list[tuple[int, str, ProviderState]] = []
+        disabled = False
+        for name, state in self.providers.items():
+            if self.registry.serving(name, model):
+                rank = 0
+            elif model in state.policy.declared_models:
+                rank = 1
+            elif self.registry.remembers(name, model, now):
+                rank = 2
+            else:
+                continue
+            if not state.policy.enabled:
+                disabled = True
+                continue
+            ranked.append((rank, name, state))
+        if not ranked:
+            if disabled:
+                raise ProviderDisabled()
+            raise ModelNotFound(model)
+        ranked.sort(key=lambda item: (item[0], item[1]))
+        return [state for _, _, state in ranked]
+
+    def routable_models(self) -> dict[str, set[str]]:
+        """Models a request could be routed for now: model -> providers."""
+        out: dict[str, set[str]] = {}
+        for name, state in self.providers.items():
+            if not state.policy.enabled:
+                continue
+            for model in state.policy.declared_models:
+                out.setdefault(model, set()).add(name)
+        for model, names in self.registry.models().items():
+            for name in names:
+                live = self.providers.get(name)
+                if live is not None and live.policy.enabled:
+                    out.setdefault(model, set()).add(name)
+        return out
+
+    def queue_depth(self, provider: str | None = None) -> int:
+        if provider is not None:
+            state = self.providers.get(provider)
+            return len(state.queue) if state else 0
+        return sum(len(s.queue) for s in self.providers.values())
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        *,
+        model: str,
+        endpoint_path: str,
+        flavor: Flavor,
+        is_streaming: bool,
+        body: str,
+        headers: dict[str, str],
+        key_id: int | None = None,
+    ) -> RelayRequest:
+        """Admit a client request: assign it now, queue it, or raise a RelayError."""
+        try:
+            if self.shutting_down:
+                raise ShuttingDown()
+            candidates = self._candidates(model)
+        except RelayError as exc:
+            self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+            raise
+        now = self.loop.time()
+        self._seq += 1
+        primary = candidates[0]
+        request = RelayRequest(
+            id=f"r-{self.instance}{self._seq:x}-{secrets.token_hex(4)}",
+            seq=self._seq,
+            provider=primary.policy.name,
+            model=model,
+            endpoint_path=endpoint_path,
+            flavor=flavor,
+            is_streaming=is_streaming,
+            body=body,
+            headers=headers,
+            key_id=key_id,
+            created_wall=time.time(),
+            now=now,
+            deadline=now + primary.policy.request_timeout,
+        )
+        for state in candidates:
+            worker = self.registry.select(state.policy.name, model)
+            if worker is not None:
+                request.provider = state.policy.name
+                self.active += 1
+                self._assign(request, worker, now)
+                return request
+        if len(primary.queue) >= primary.policy.max_queue_len:
+            logger.warning("queue full: provider=%s model=%s", primary.policy.name, model)
+            full = QueueFull()
+            self.record_rejection(full, model, endpoint_path, is_streaming, key_id)
+            raise full
+        self.active += 1
+        self._enqueue(primary, request, now)
+        return request
+
+    def cancel(self, request: RelayRequest, reason: CancelReason = "client_disconnect") -> None:
+        """End ``request`` because its client left (or the edge gave up on it).
+
+        Queued: removed, no worker ever hears of it. In flight: one ``cancel`` is sent
+        and the worker's slot is free again before this returns.
+        """
+        if request.phase is Phase.DONE:
+            return
+        if request.phase is Phase.QUEUED:
+            state = self.providers.get(request.provider)
+            if state is not None:
+                state.queue.remove(request)
+        else:
+            self._abandon(request, reason)
+        self.stats.cancels[reason] += 1
+        self._finish(request, CANCELLED, outcome="cancelled", cancel_reason=reason)
+
+    def _enqueue(self, state: ProviderState, request: RelayRequest, now: float) -> None:
+        request.phase = Phase.QUEUED
+        request.worker = None
+        request.enqueued_at = now
+        request.queue_deadline = min(now + state.policy.queue_timeout, request.deadline)
+        state.queue.push(request)
+        self._arm(request, request.queue_deadline)
+
+    def _assign(self, request: RelayRequest, worker: Worker, now: float) -> None:
+        if request.enqueued_at is not None:
+            request.queue_wait += now - request.enqueued_at
+            request.enqueued_at = None
+        request.phase = Phase.ASSIGNED
+        request.worker = worker
+        request.worker_id = worker.id
+        request.worker_name = worker.name
+        worker.in_flight[request.id] = request
+        worker.link.send(
+            protocol.encode(
+                protocol.Request(
+                    request_id=request.id,
+                    model=request.model,
+                    endpoint_path=request.endpoint_path,
+                    is_streaming=request.is_streaming,
+                    body=request.body,
+                    headers=request.headers,
+                )
+            )
+        )
+        logger.debug("request dispatched: %s -> %s (%s)", request.id, worker.name, worker.id)
+        self._arm(request, request.deadline)
+
+    def _abandon(self, request: RelayRequest, reason: CancelReason) -> None:
+        """Take an assigned request away from its worker and tell the worker."""
+        worker = request.worker
+        if worker is None:
+            return
+        worker.in_flight.pop(request.id, None)
+        request.worker = None
+        if worker.attached:
+            worker.link.send(protocol.encode(protocol.Cancel(request_id=request.id, reason=reason)))
+            self._freed(worker)
+
+    def _arm(self, request: RelayRequest, when: float) -> None:
+        if request.timer is not None:
+            request.timer.cancel()
+        request.timer = self.loop.call_at(when, self._expire, request)
+
+    def _expire(self, request: RelayRequest) -> None:
+        request.timer = None
+        if request.phase is Phase.QUEUED:
+            state = self.providers.get(request.provider)
+            if state is not None:
+                state.queue.remove(request)
+            if request.queue_deadline < request.deadline:
+                logger.info("queue timeout: %s model=%s", request.id, request.model)
+                self._finish(request, QueueTimeout())
+            else:
+                self._finish(request, RequestTimeout())
+        elif request.phase is Phase.ASSIGNED:
+            logger.info("request timeout: %s on %s", request.id, request.worker_name)
+            self._abandon(request, "timeout")
+            self.stats.cancels["timeout"] += 1
+            self._finish(request, RequestTimeout())
+
+    def _finish(
+        self,
+        request: RelayRequest,
+        result: Completion | RelayError | object,
+        *,
+        outcome: str | None = None,
+        cancel_reason: str | None = None,
+    ) -> None:
+        if request.phase is Phase.DONE:
+            return
+        request.phase = Phase.DONE
+        if request.timer is not None:
+            request.timer.cancel()
+            request.timer = None
+        now = self.loop.time()
+        request.finished_at = now
+        if request.enqueued_at is not None:
+            request.queue_wait += now - request.enqueued_at
+            request.enqueued_at = None
+        if isinstance(result, Completion):
+            request.status = result.status
+            request.outcome = outcome or ("ok" if result.status < 400 else "upstream_error")
+            if request.first_byte_at is None:
+                request.first_byte_at = now
+        elif isinstance(result, RelayError):
+            request.status = result.status
+            request.outcome = outcome or result.outcome
+        else:
+            request.status = 499
+            request.outcome = outcome or "cancelled"
+        request.body = ""
+        request.buffer = []
+        request.push(result)  # type: ignore[arg-type]
+        self.active -= 1
+        if self.shutting_down and self.active <= 0:
+            self._idle.set()
+        self._record(request, cancel_reason)
+
+    def _record(self, request: RelayRequest, cancel_reason: str | None) -> None:
+        counts = request.token_counts
+        finished = request.finished_at or request.created
+        record = RequestRecord(
+            request_id=request.id,
+            key_id=request.key_id,
+            provider=request.provider,
+            model=request.model,
+            endpoint=request.endpoint_path,
+            worker_id=request.worker_id,
+            worker_name=request.worker_name,
+            status=request.status or 0,
+            outcome=request.outcome or "error",
+            streamed=request.is_streaming,
+            queue_wait=request.queue_wait,
+            ttfb=None if request.first_byte_at is None else request.first_byte_at - request.created,
+            duration=finished - request.created,
+            prompt_tokens=counts.prompt_tokens if counts else None,
+            completion_tokens=counts.completion_tokens if counts else None,
+            requeues=request.requeues,
+            created_at=request.created_wall,
+            cancel_reason=cancel_reason,
+        )
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:  # an observer must never break the request path
+                logger.exception("request observer failed")
+
+    def record_rejection(
+        self, exc: RelayError, model: str, endpoint: str, streamed: bool, key_id: int | None
+    ) -> None:
+        record = RequestRecord(
+            request_id="",
+            key_id=key_id,
+            provider="",
+            model=model,
+            endpoint=endpoint,
+            worker_id=None,
+            worker_name=None,
+            status=exc.status,
+            outcome=exc.outcome,
+            streamed=streamed,
+            queue_wait=0.0,
+            ttfb=None,
+            duration=0.0,
+            prompt_tokens=None,
+            completion_tokens=None,
+            requeues=0,
+            created_at=time.time(),
+        )
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:
+                logger.exception("request observer failed")
+
+    # ------------------------------------------------------------------ capacity
+
+    def _freed(self, worker: Worker) -> None:
+        """A slot on ``worker`` may have opened: close it if drained, else feed it."""
+        if not worker.attached:
+            return
+        if worker.draining:
+            if not worker.in_flight:
+                self.close_worker(worker, 1000, "worker drained")
+            return
+        self._feed(worker)
+
+    def _feed(self, worker: Worker) -> None:
+        """Hand the oldest compatible queued requests to ``worker`` while it has room."""
+        state = self.providers.get(worker.provider)
+        if state is None or not state.queue:
+            return
+        now = self.loop.time()
+        while worker.has_capacity:
+            request = state.queue.next_for(worker.model_set)
+            if request is None:
+                return
+            state.queue.remove(request)
+            self._assign(request, worker, now)
+
+    def _dispatch_queue(self, state: ProviderState) -> None:
+        """Place queued requests on any worker with room (after requeues)."""
+        now = self.loop.time()
+        for request in state.queue:
+            worker = self.registry.select(state.policy.name, request.model)
+            if worker is not None:
+                state.queue.remove(request)
+                self._assign(request, worker, now)
+
+    # ------------------------------------------------------------------ workers
+
+    def attach_worker(
+        self,
+        *,
+        provider: str,
+        name: str,
+        models: list[str],
+        max_concurrent: int,
+        current_load: int,
+        link: WorkerLink,
+        peer: str = "",
+        protocol_version: str | None = None,
+    ) -> tuple[Worker, list[str]]:
+        """Register a worker; returns it and the warnings for its ``register_ack``.
+
+        The caller sends the ack (with ``worker.models``) before anything else can be
+        dispatched to it: this method only queues frames on the link, in order.
+        """
+        state = self.providers.get(provider)
+        cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
+        accepted, warnings = sanitize_models(
+            models, cap=cap, max_len=self.config.max_model_name_len
+        )
+        clean_name = name.strip()[: self.config.max_worker_name_len] or "worker"
+        if clean_name != name:
+            warnings.append("worker name was trimmed or shortened")
+        concurrency = min(max_concurrent, self.config.max_concurrent_cap)
+        if concurrency != max_concurrent:
+            warnings.append(f"max_concurrent capped at {concurrency}")
+        now = self.loop.time()
+        worker = Worker(
+            id=next_worker_id(self.instance),
+            provider=provider,
+            name=clean_name,
+            models=tuple(accepted),
+            max_concurrent=concurrency,
+            link=link,
+            connected_at=now,
+            last_pong=now,
+            reported_load=current_load,
+            peer=peer,
+            protocol_version=protocol_version,
+        )
+        link.send(
+            protocol.encode(
+                protocol.RegisterAck(
+                    worker_id=worker.id,
+                    models=list(worker.models),
+                    protocol_version=protocol.PROTOCOL_VERSION,
+                    warnings=warnings,
+                )
+            )
+        )
+        self.registry.add(worker)
+        logger.info(
+            "worker registered: %s (%s) provider=%s models=%s max_concurrent=%d",
+            worker.name,
+            worker.id,
+            provider,
+            ",".join(worker.models),
+            concurrency,
+        )
+        self._ensure_heartbeat()
+        self._feed(worker)
+        return worker, warnings
+
+    def detach_worker(self, worker: Worker, reason: str) -> None:
+        """The worker is gone: requeue what can be, fail the rest. Idempotent."""
+        if not worker.attached:
+            return
+        self.registry.remove(worker, self.loop.time())
+        timer = self._drain_timers.pop(worker.id, None)
+        if timer is not None:
+            timer.cancel()
+        logger.info("worker disconnected: %s (%s): %s", worker.name, worker.id, reason)
+        orphans = sorted(worker.in_flight.values(), key=lambda r: r.seq)
+        worker.in_flight.clear()
+        touched: set[str] = set()
+        for request in orphans:
+            request.worker = None
+            if self._requeue(request):
+                touched.add(request.provider)
+        for name in touched:
+            state = self.providers.get(name)
+            if state is not None:
+                self._dispatch_queue(state)
+
+    def _requeue(self, request: RelayRequest) -> bool:
+        now = self.loop.time()
+        state = self.providers.get(request.provider)
+        if request.delivered:
+            # Bytes already reached the client: replaying would duplicate output.
+            self._finish(request, WorkerLost())
+        elif state is None:
+            self._finish(request, ProviderGone())
+        elif not state.policy.enabled:
+            self._finish(request, ProviderDisabled())
+        elif self.shutting_down:
+            self._finish(request, ShuttingDown())
+        elif request.requeues >= self.config.max_requeue_count:
+            logger.warning("requeue exhausted: %s after %d attempts", request.id, request.requeues)
+            self._finish(request, RequeueExhausted())
+        elif now >= request.deadline:
+            self._finish(request, RequestTimeout())
+        else:
+            request.requeues += 1
+            request.buffer.clear()
+            request.streamed_bytes = 0
+            self.stats.requeues += 1
+            logger.info("request requeued: %s (attempt %d)", request.id, request.requeues + 1)
+            self._enqueue(state, request, now)
+            return True
+        return False
+
+    def close_worker(self, worker: Worker, code: int, reason: str) -> None:
+        """Close a worker's socket and handle it as gone, right now."""
+        if not worker.attached:
+            return
+        worker.link.close(code, reason)
+        self.detach_worker(worker, reason)
+
+    def on_chunk(self, worker: Worker, request_id: str, chunk: str) -> None:
+        request = worker.in_flight.get(request_id)
+        if request is None:
+            self._stray(worker, "response_chunk", request_id)
+            return
+        data = chunk.encode()
+        request.streamed_bytes += len(data)
+        if request.streamed_bytes > self.config.max_stream_bytes:
+            logger.warning("stream ceiling reached: %s on %s", request.id, worker.name)
+            self._abandon(request, "client_disconnect")
+            self._finish(request, StreamTooLarge())
+            return
+        if request.is_streaming:
+            if not request.delivered:
+                request.delivered = True
+                request.first_byte_at = self.loop.time()
+            request.push(data)
+        else:
+            request.buffer.append(chunk)
+
+    def on_complete(self, worker: Worker, message: protocol.ResponseComplete) -> None:
+        request = worker.in_flight.pop(message.request_id, None)
+        if request is None:
+            self._stray(worker, "response_complete", message.request_id)
+            return
+        request.worker = None
+        worker.requests_served += 1
+        if not 100 <= message.status_code <= 599:
+            logger.warning(
+                "worker %s sent invalid status %r for %s",
+                worker.name,
+                message.status_code,
+                request.id,
+            )
+            self._finish(request, WorkerFailed("The worker returned an invalid response"))
+        else:
+            body = message.body or ""
+            if request.buffer:
+                body = "".join(request.buffer) + body
+            request.token_counts = message.token_counts
+            self._finish(request, Completion(message.status_code, message.headers, body.encode()))
+        self._freed(worker)
+
+    def on_worker_error(self, worker: Worker, message: protocol.Error) -> None:
+        if message.request_id is None:
+            logger.warning("worker %s reported: %s", worker.name, message.message[:500])
+            return
+        request = worker.in_flight.pop(message.request_id, None)
+        if request is None:
+            self._stray(worker, "error", message.request_id)
+            return
+        request.worker = None
+        logger.warning("worker %s failed %s: %s", worker.name, request.id, message.message[:500])
+        self._finish(request, WorkerFailed())
+        self._freed(worker)
+
+    def on_pong(self, worker: Worker, current_load: int) -> None:
+        worker.last_pong = self.loop.time()
+        previous = worker.reported_load
+        worker.reported_load = current_load
+        if current_load < previous:
+            self._feed(worker)
+
+    def on_models_update(
+        self, worker: Worker, models: list[str], current_load: int | None
+    ) -> list[str]:
+        state = self.providers.get(worker.provider)
+        cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
+        accepted, warnings = sanitize_models(
+            models, cap=cap, max_len=self.config.max_model_name_len
+        )
+        self.registry.set_models(worker, accepted, self.loop.time())
+        if current_load is not None:
+            worker.reported_load = current_load
+        logger.info("worker %s models updated: %s", worker.name, ",".join(accepted) or "(none)")
+        self._feed(worker)
+        return warnings
+
+    def _stray(self, worker: Worker, kind: str, request_id: str) -> None:
+        self.stats.dropped_frames += 1
+        logger.info("dropped %s for %s from %s: not in flight there", kind, request_id, worker.name)
+
+    # ------------------------------------------------------------------ operations
+
+    def drain_worker(
+        self, worker_id: str, *, timeout: float | None = None, reason: str = "maintenance"
+    ) -> bool:
+        """Stop routing to a worker, let its requests finish, close it when idle.
+
+        At the deadline it is closed anyway and what is left is requeued.
+        """
+        worker = self.registry.workers.get(worker_id)
+        if worker is None:
+            return False
+        if worker.draining:
+            return True
+        timeout = self.config.drain_timeout if timeout is None else timeout
+        worker.draining = True
+        logger.info("graceful shutdown: draining %s (%s): %s", worker.name, worker.id, reason)
+        worker.link.send(
+            protocol.encode(
+                protocol.GracefulShutdown(reason=reason, drain_timeout_secs=math.ceil(timeout))
+            )
+        )
+        if not worker.in_flight:
+            self.close_worker(worker, 1000, "worker drained")
+        else:
+            self._drain_timers[worker.id] = self.loop.call_later(
+                timeout, self.close_worker, worker, 1000, "drain timeout"
+            )
+        return True
+
+    def refresh_models(self, worker_id: str, reason: str = "operator") -> bool:
+        worker = self.registry.workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.link.send(protocol.encode(protocol.ModelsRefresh(reason=reason)))
+        return True
+
+    def _ensure_heartbeat(self) -> None:
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = self.loop.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval
+        timeout = self.config.heartbeat_timeout
+        tick = min(interval, timeout) / 2
+        last_ping = self.loop.time()
+        while True:
+            await asyncio.sleep(tick)
+            now = self.loop.time()
+            try:
+                for worker in list(self.registry.workers.values()):
+                    if now - worker.last_pong > timeout:
+                        logger.warning(
+                            "worker heartbeat timed out: %s (%s)", worker.name, worker.id
+                        )
+                        self.close_worker(worker, 1001, "worker heartbeat timed out")
+                if now - last_ping >= interval:
+                    last_ping = now
+                    ping = protocol.encode(protocol.Ping(timestamp_unix_ms=int(time.time() * 1000)))
+                    for worker in self.registry.workers.values():
+                        worker.link.send(ping)
+            except Exception:  # keep beating for everyone else
+                logger.exception("heartbeat tick failed")
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stop admitting, let in-flight and queued work finish, then close workers 1012."""
+        self.shutting_down = True
+        grace = self.config.shutdown_grace if grace is None else grace
+        if self.active > 0:
+            self._idle.clear()
+            try:
+                async with asyncio.timeout(grace):
+                    await self._idle.wait()
+            except TimeoutError:
+                logger.warning("shutdown grace over with %d request(s) unfinished", self.active)
+        for state in self.providers.values():
+            for request in state.queue.drain():
+                self._finish(request, ShuttingDown())
+        for worker in list(self.registry.workers.values()):
+            self.close_worker(worker, 1012, "server restarting")
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel the core's own tasks and timers (tests, shutdown)."""
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for timer in self._drain_timers.values():
+            timer.cancel()
+        self._drain_timers.clear()

@@ -1,0 +1,226 @@
+"""Every error the relay can raise, and the one place they become HTTP responses.
+
+Hierarchy::
+
+    RelayError                      (500)
+    ├── ClientError
+    │   ├── BadRequest              (400)
+    │   ├── Unauthorized            (401)
+    │   ├── ModelNotFound           (404)
+    │   ├── MethodNotAllowed        (405)
+    │   ├── PayloadTooLarge         (413)
+    │   ├── UnsupportedMediaType    (415)
+    │   └── QueueFull               (429)
+    ├── WorkerFailed                (502)
+    ├── ServiceUnavailable          (503)
+    │   ├── ProviderDisabled
+    │   ├── ProviderGone
+    │   ├── RequeueExhausted
+    │   ├── WorkerLost
+    │   └── ShuttingDown
+    ├── GatewayTimeout              (504)
+    │   ├── QueueTimeout
+    │   └── RequestTimeout
+    ├── StreamTooLarge              (502, only ever seen mid-stream)
+    └── ProtocolError               (a worker broke the wire protocol: close 1002)
+
+Messages are stable and sanitized: they never echo worker internals to clients.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import msgspec
+
+Flavor = Literal["openai", "anthropic", "responses"]
+
+
+class RelayError(Exception):
+    status: ClassVar[int] = 500
+    openai_type: ClassVar[str] = "server_error"
+    anthropic_type: ClassVar[str] = "api_error"
+    code: ClassVar[str] = "internal_error"
+    default_message: ClassVar[str] = "Internal relay error"
+    retry_after: ClassVar[int | None] = None
+    #: Outcome label used by stats and the request log.
+    outcome: ClassVar[str] = "error"
+
+    def __init__(self, message: str | None = None) -> None:
+        self.message = message or self.default_message
+        super().__init__(self.message)
+
+
+class ClientError(RelayError):
+    status = 400
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+    code = "invalid_request"
+    default_message = "Invalid request"
+    outcome = "bad_request"
+
+
+class BadRequest(ClientError):
+    pass
+
+
+class Unauthorized(ClientError):
+    status = 401
+    openai_type = "invalid_request_error"
+    anthropic_type = "authentication_error"
+    code = "invalid_api_key"
+    default_message = "Invalid or missing API key"
+    outcome = "unauthorized"
+
+
+class ModelNotFound(ClientError):
+    status = 404
+    anthropic_type = "not_found_error"
+    code = "model_not_found"
+    outcome = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"model '{model}' is not served here")
+
+
+class MethodNotAllowed(ClientError):
+    status = 405
+    code = "method_not_allowed"
+    default_message = "Method not allowed"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    anthropic_type = "request_too_large"
+    code = "request_too_large"
+    default_message = "Request body is too large"
+
+
+class UnsupportedMediaType(ClientError):
+    status = 415
+    code = "unsupported_media_type"
+    default_message = "Content-Type must be application/json"
+
+
+class QueueFull(ClientError):
+    status = 429
+    openai_type = "rate_limit_error"
+    anthropic_type = "rate_limit_error"
+    code = "queue_full"
+    default_message = "Service temporarily at capacity, please retry"
+    retry_after = 1
+    outcome = "queue_full"
+
+
+class WorkerFailed(RelayError):
+    status = 502
+    code = "worker_error"
+    default_message = "The worker failed to process the request"
+    outcome = "worker_error"
+
+
+class StreamTooLarge(RelayError):
+    status = 502
+    code = "stream_too_large"
+    default_message = "Response stream exceeded the relay's size limit"
+    outcome = "stream_too_large"
+
+
+class ServiceUnavailable(RelayError):
+    status = 503
+    openai_type = "service_unavailable"
+    anthropic_type = "overloaded_error"
+    code = "service_unavailable"
+    default_message = "Service temporarily unavailable, please retry"
+    retry_after = 1
+    outcome = "unavailable"
+
+
+class ProviderDisabled(ServiceUnavailable):
+    code = "provider_disabled"
+    default_message = "Provider is currently disabled"
+    retry_after = 30
+    outcome = "provider_disabled"
+
+
+class ProviderGone(ServiceUnavailable):
+    code = "provider_unavailable"
+    default_message = "Service temporarily unavailable, please retry"
+    outcome = "provider_gone"
+
+
+class RequeueExhausted(ServiceUnavailable):
+    code = "requeue_exhausted"
+    default_message = "Request could not be processed after multiple attempts"
+    outcome = "requeue_exhausted"
+
+
+class WorkerLost(ServiceUnavailable):
+    code = "worker_lost"
+    default_message = "The worker serving this request disconnected"
+    outcome = "worker_lost"
+
+
+class ShuttingDown(ServiceUnavailable):
+    code = "shutting_down"
+    default_message = "Server is shutting down, please retry"
+    retry_after = 2
+    outcome = "shutting_down"
+
+
+class GatewayTimeout(RelayError):
+    status = 504
+    openai_type = "timeout_error"
+    anthropic_type = "api_error"
+    code = "timeout"
+    default_message = "Request timed out"
+    outcome = "timeout"
+
+
+class QueueTimeout(GatewayTimeout):
+    code = "queue_timeout"
+    default_message = "Request timed out waiting for worker"
+    outcome = "queue_timeout"
+
+
+class RequestTimeout(GatewayTimeout):
+    code = "request_timeout"
+    default_message = "Request timed out"
+    outcome = "request_timeout"
+
+
+class ProtocolError(RelayError):
+    """A worker sent something the wire protocol does not allow."""
+
+    code = "protocol_error"
+    default_message = "protocol error"
+    outcome = "protocol_error"
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def error_body(err: RelayError, flavor: Flavor) -> bytes:
+    """The JSON error document in the endpoint's own envelope."""
+    if flavor == "anthropic":
+        return _JSON.encode(
+            {"type": "error", "error": {"type": err.anthropic_type, "message": err.message}}
+        )
+    return _JSON.encode(
+        {"error": {"message": err.message, "type": err.openai_type, "code": err.code}}
+    )
+
+
+def error_response(err: RelayError, flavor: Flavor) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Map a relay error to ``(status, headers, body)`` for an HTTP response.
+
+    This is the only function that turns errors into client-visible responses.
+    """
+    body = error_body(err, flavor)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if err.retry_after is not None:
+        headers.append((b"retry-after", str(err.retry_after).encode()))
+    return err.status, headers, body

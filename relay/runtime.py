@@ -1,0 +1,176 @@
+"""The Django edge around the relay core: one :class:`Relay` per event loop.
+
+Builds the core's config from settings, keeps its provider table in sync with the
+database (at once for changes made in this process, within PROVIDER_SYNC_SECS for
+changes made elsewhere) and holds the per-process auth throttle. HTTP handlers and
+the worker consumer reach the core only through :func:`current`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from django.conf import settings
+
+from relay.config import RelayConfig
+from relay.cors import CorsPolicy
+from relay.dispatch import Relay
+from relay.errors import Flavor, Unauthorized
+from relay.ratelimit import AuthThrottle, Network, parse_networks
+
+logger = logging.getLogger("relay.runtime")
+
+
+def relay_config() -> RelayConfig:
+    s = settings
+    return RelayConfig(
+        max_queue_len=s.MAX_QUEUE_LEN,
+        queue_timeout=s.QUEUE_TIMEOUT_SECS,
+        request_timeout=s.REQUEST_TIMEOUT_SECS,
+        heartbeat_interval=s.HEARTBEAT_INTERVAL_SECS,
+        heartbeat_timeout=s.HEARTBEAT_TIMEOUT_SECS,
+        register_timeout=s.REGISTER_TIMEOUT_SECS,
+        max_requeue_count=s.MAX_REQUEUE_COUNT,
+        max_models_per_worker=s.MAX_MODELS_PER_WORKER,
+        max_model_name_len=s.MAX_MODEL_NAME_LEN,
+        max_message_bytes=s.MAX_MESSAGE_BYTES,
+        max_stream_bytes=s.MAX_STREAM_BYTES,
+        max_request_bytes=s.MAX_REQUEST_BYTES,
+        model_memory=s.MODEL_MEMORY_SECS,
+        drain_timeout=s.DRAIN_TIMEOUT_SECS,
+        shutdown_grace=s.SHUTDOWN_GRACE_SECS,
+        require_protocol_version=s.REQUIRE_PROTOCOL_VERSION,
+    )
+
+
+class Runtime:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.config = relay_config()
+        self.relay = Relay(self.config)
+        self.throttle = AuthThrottle(
+            max_failures=settings.AUTH_MAX_FAILURES,
+            window=settings.AUTH_FAILURE_WINDOW_SECS,
+            block=settings.AUTH_BLOCK_SECS,
+        )
+        self.trusted_proxies: list[Network] = parse_networks(settings.TRUSTED_PROXIES)
+        self.cors = CorsPolicy(settings.CORS_ALLOWED_ORIGINS)
+        self.sockets = 0
+        self._sockets_gone = asyncio.Event()
+        self._poke = asyncio.Event()
+        self._loaded = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = [loop.create_task(self._sync_loop())]
+
+    def authenticate(
+        self, headers: list[tuple[bytes, bytes]], flavor: Flavor
+    ) -> tuple[int | None, frozenset[str]]:
+        """Check the client's API key when keys are required.
+
+        Returns the key id (``None`` when keys are off) and the names of the headers
+        that carried relay credentials, which must not be forwarded to backends.
+        """
+        if not settings.MODELRELAY_REQUIRE_API_KEYS:
+            return None, frozenset()
+        raise Unauthorized()
+
+    async def ready(self) -> None:
+        """Wait (briefly, once) for the first provider load."""
+        if self._loaded.is_set():
+            return
+        try:
+            async with asyncio.timeout(10):
+                await self._loaded.wait()
+        except TimeoutError:
+            logger.error("provider table not loaded after 10 s; serving with what is known")
+
+    async def sync_providers(self) -> None:
+        from workers_app.models import Provider
+        from workers_app.services import provider_policy
+
+        as_of = self.loop.time()
+        rows = [p async for p in Provider.objects.all()]
+        self.relay.sync_providers([provider_policy(p, self.config) for p in rows], as_of=as_of)
+        self._loaded.set()
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self.sync_providers()
+            except Exception:
+                logger.exception("provider sync failed; keeping the last known providers")
+            try:
+                async with asyncio.timeout(settings.PROVIDER_SYNC_SECS):
+                    await self._poke.wait()
+            except TimeoutError:
+                pass
+            self._poke.clear()
+
+    def poke(self) -> None:
+        self._poke.set()
+
+    def socket_opened(self) -> None:
+        self.sockets += 1
+        self._sockets_gone.clear()
+
+    def socket_closed(self) -> None:
+        self.sockets -= 1
+        if self.sockets <= 0:
+            self._sockets_gone.set()
+
+    async def shutdown(self) -> None:
+        """Graceful stop: drain the relay, close workers with 1012, wait for the closes."""
+        await self.relay.shutdown(settings.SHUTDOWN_GRACE_SECS)
+        if self.sockets > 0:
+            try:
+                async with asyncio.timeout(5):
+                    await self._sockets_gone.wait()
+            except TimeoutError:
+                logger.warning("%d worker socket(s) did not close in time", self.sockets)
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        await self.relay.aclose()
+
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime:
+    """The runtime of the running event loop, created on first use."""
+    global _current
+    loop = asyncio.get_running_loop()
+    if _current is None or _current.loop is not loop:
+        _current = Runtime(loop)
+    return _current
+
+
+def peek() -> Runtime | None:
+    return _current
+
+
+def providers_changed() -> None:
+    """Thread-safe: ask the running runtime to reload providers now."""
+    runtime = _current
+    if runtime is None or runtime.loop.is_closed():
+        return
+    try:
+        runtime.loop.call_soon_threadsafe(runtime.poke)
+    except RuntimeError:  # loop closed between the check and the call
+        pass
+
+
+async def reset() -> None:
+    """Tear down the current runtime (tests; the next :func:`current` builds a new one)."""
+    global _current
+    runtime, _current = _current, None
+    if runtime is not None and runtime.loop is asyncio.get_running_loop():
+        await runtime.aclose()

@@ -1,0 +1,117 @@
+"""Providers (pools of workers sharing a secret and limits) and worker audit rows."""
+
+from __future__ import annotations
+
+import re
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from relay.credentials import generate_secret, hash_secret, lookup_prefix, verify_secret
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_provider_name(value: str) -> None:
+    if not _NAME_RE.match(value):
+        raise ValidationError(
+            "Use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit."
+        )
+
+
+def split_models(text: str) -> list[str]:
+    """Declared models are entered one per line or comma-separated."""
+    out: list[str] = []
+    for part in re.split(r"[,\n]", text or ""):
+        name = part.strip()
+        if name and name not in out:
+            out.append(name)
+    return out
+
+
+class Provider(models.Model):
+    name = models.CharField(max_length=64, unique=True, validators=[validate_provider_name])
+    enabled = models.BooleanField(default=True)
+    description = models.CharField(max_length=200, blank=True)
+    secret_prefix = models.CharField(max_length=16, blank=True, editable=False)
+    secret_hash = models.CharField(max_length=64, blank=True, editable=False)
+    declared_models = models.TextField(
+        blank=True,
+        help_text="Models this provider serves even while no worker is connected "
+        "(one per line or comma-separated). Requests for them queue instead of 404.",
+    )
+    max_queue_len = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Queue bound; empty uses MAX_QUEUE_LEN, 0 disables queueing.",
+    )
+    queue_timeout_secs = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.001)],
+        help_text="Empty uses QUEUE_TIMEOUT_SECS.",
+    )
+    request_timeout_secs = models.FloatField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(0.001)],
+        help_text="Empty uses REQUEST_TIMEOUT_SECS.",
+    )
+    max_models_per_worker = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Empty uses MAX_MODELS_PER_WORKER.",
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def set_secret(self, secret: str) -> None:
+        self.secret_prefix = lookup_prefix(secret)
+        self.secret_hash = hash_secret(secret, settings.SECRET_PEPPER)
+
+    def rotate_secret(self) -> str:
+        """Give the provider a new secret and return it; it is not stored in clear."""
+        secret = generate_secret("mrw")
+        self.set_secret(secret)
+        return secret
+
+    def check_secret(self, secret: str) -> bool:
+        return verify_secret(secret, settings.SECRET_PEPPER, self.secret_hash)
+
+    @property
+    def declared_model_list(self) -> list[str]:
+        return split_models(self.declared_models)
+
+
+class WorkerSession(models.Model):
+    """One worker connection, written once when it registers and once when it leaves."""
+
+    worker_id = models.CharField(max_length=64, unique=True)
+    provider = models.ForeignKey(
+        Provider, null=True, blank=True, on_delete=models.SET_NULL, related_name="sessions"
+    )
+    provider_name = models.CharField(max_length=64)
+    worker_name = models.CharField(max_length=200)
+    model_names = models.JSONField(default=list)
+    max_concurrent = models.PositiveIntegerField(default=1)
+    peer_address = models.CharField(max_length=64, blank=True)
+    protocol_version = models.CharField(max_length=64, blank=True)
+    connected_at = models.DateTimeField(db_index=True)
+    disconnected_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    disconnect_reason = models.CharField(max_length=200, blank=True)
+    requests_served = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-connected_at"]
+
+    def __str__(self) -> str:
+        return f"{self.worker_name} ({self.worker_id})"

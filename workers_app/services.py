@@ -1,0 +1,77 @@
+"""Provider and worker-session operations shared by the admin, commands and runtime."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.db import transaction
+from django.utils import timezone
+
+from modelrelay_site.env import persisted_secret
+from relay.config import ProviderPolicy, RelayConfig
+from workers_app.models import Provider, WorkerSession
+
+logger = logging.getLogger("relay.providers")
+
+
+def provider_policy(provider: Provider, config: RelayConfig) -> ProviderPolicy:
+    return ProviderPolicy.from_overrides(
+        config,
+        provider.name,
+        enabled=provider.enabled,
+        declared_models=frozenset(provider.declared_model_list),
+        max_queue_len=provider.max_queue_len,
+        queue_timeout=provider.queue_timeout_secs,
+        request_timeout=provider.request_timeout_secs,
+        max_models_per_worker=provider.max_models_per_worker,
+    )
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    provider: Provider
+    created: bool
+    #: The secret to show the operator, or None when it cannot be known (rotated
+    #: in the admin since the persisted one was generated).
+    secret: str | None
+    source: str
+
+
+def bootstrap_default_provider(name: str, env_secret: str, data_dir: Path) -> Bootstrap:
+    """Create or update the default provider at start.
+
+    ``WORKER_SECRET`` set: it becomes the provider's secret. Unset: a secret is
+    generated once, persisted in ``data_dir`` and used — unless an operator has
+    since rotated the secret in the admin, which is then left alone.
+    """
+    with transaction.atomic():
+        provider, created = Provider.objects.select_for_update().get_or_create(name=name)
+        if env_secret:
+            secret, source = env_secret, "WORKER_SECRET"
+        else:
+            secret = persisted_secret(data_dir / "worker_secret", prefix="mrw_")
+            source = str(data_dir / "worker_secret")
+        if created or not provider.secret_hash or env_secret:
+            if not provider.check_secret(secret):
+                provider.set_secret(secret)
+                provider.save()
+            return Bootstrap(provider, created, secret, source)
+        if provider.check_secret(secret):
+            return Bootstrap(provider, created, secret, source)
+        return Bootstrap(provider, created, None, "rotated in the admin")
+
+
+def close_stale_sessions(reason: str = "server restarted") -> int:
+    """Mark sessions a previous server process never closed as disconnected."""
+    return WorkerSession.objects.filter(disconnected_at__isnull=True).update(
+        disconnected_at=timezone.now(), disconnect_reason=reason
+    )
+
+
+def prune_sessions(days: int) -> int:
+    cutoff = timezone.now() - dt.timedelta(days=days)
+    deleted, _ = WorkerSession.objects.filter(disconnected_at__lt=cutoff).delete()
+    return deleted
