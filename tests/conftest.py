@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import pytest
+
+from tests.live import LiveServer
+from tests.live import live_server as _live_server
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def require_service(name: str, host: str, port: int) -> None:
+    """Skip (on a developer machine) or fail (in CI) when a local service is absent."""
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return
+    except OSError as exc:
+        message = f"{name} is not reachable on {host}:{port} ({exc})"
+        if IN_CI:
+            pytest.fail(message + "; CI requires it", pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.fixture
+def relay_server_factory(
+    tmp_path: Path,
+) -> Iterator[Callable[..., AbstractContextManager[LiveServer]]]:
+    """``with relay_server_factory(QUEUE_TIMEOUT_SECS="0.5") as server: ...``"""
+    counter = iter(range(1000))
+
+    def make(**env: str) -> AbstractContextManager[LiveServer]:
+        return _live_server(tmp_path / f"server{next(counter)}", **env)
+
+    yield make
+
+
+@pytest.fixture
+def relay_server(tmp_path: Path) -> Iterator[LiveServer]:
+    with _live_server(tmp_path / "server") as server:
+        yield server
+
+
+@pytest.fixture
+async def fresh_runtime() -> AsyncIterator[None]:
+    """Give the test its own relay runtime and tear it down afterwards."""
+    from relay import runtime
+
+    await runtime.reset()
+    yield
+    await runtime.reset()
