@@ -5,6 +5,10 @@ hands the code to autobahn's ``sendClose``, which only allows 1000 and 3000-4999
 The protocol needs the standard codes too (1002 protocol error, 1008 policy,
 1012 restart), each with a reason a worker can log. This wraps daphne's reply
 handler so an application close goes out as exactly that close frame.
+
+It also turns off autobahn's ``failByDrop``: a frame over MAX_MESSAGE_BYTES or
+invalid UTF-8 then gets a proper close frame (1009/1007 with a reason) instead of
+a dropped TCP connection the worker cannot explain.
 Installed only when daphne is the server in this process.
 """
 
@@ -17,11 +21,16 @@ from typing import Any
 def install() -> None:
     if "daphne.server" not in sys.modules:
         return
-    from daphne.ws_protocol import WebSocketProtocol
+    from daphne.ws_protocol import WebSocketFactory, WebSocketProtocol
 
     if getattr(WebSocketProtocol, "_relay_close_frames", False):
         return
     original = WebSocketProtocol.handle_reply
+    original_options = WebSocketFactory.setProtocolOptions
+
+    def set_protocol_options(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("failByDrop", False)
+        original_options(self, *args, **kwargs)
 
     def handle_reply(self: Any, message: dict[str, Any]) -> None:
         if message.get("type") == "websocket.close" and self.state != self.STATE_CONNECTING:
@@ -35,4 +44,5 @@ def install() -> None:
         original(self, message)
 
     WebSocketProtocol.handle_reply = handle_reply
+    WebSocketFactory.setProtocolOptions = set_protocol_options
     WebSocketProtocol._relay_close_frames = True

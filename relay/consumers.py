@@ -38,6 +38,12 @@ logger = logging.getLogger("relay.worker_socket")
 
 _MAX_REASON = 120  # a close reason must fit in 123 bytes
 
+# Closes the WebSocket layer itself performs (RFC 6455 §7.4.1) on a worker's bad frames.
+_TRANSPORT_FAILURES = {
+    1007: "invalid UTF-8 in a text frame",
+    1009: "frame larger than MAX_MESSAGE_BYTES",
+}
+
 
 def _reason(text: str) -> str:
     return text.encode()[:_MAX_REASON].decode(errors="ignore")
@@ -216,11 +222,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             logger.warning("worker %s register: %s", worker.name, warning)
         self._audit = asyncio.get_running_loop().create_task(self._open_session(worker))
 
+    def _label(self) -> str:
+        return self.worker.name if self.worker else "(unregistered)"
+
     def _violation(self, reason: str) -> None:
         """Close only this worker with 1002; everyone else carries on."""
         self._register_timer = None
-        name = self.worker.name if self.worker else "(unregistered)"
-        logger.warning("protocol error from worker %s peer=%s: %s", name, self.peer, reason)
+        logger.warning("protocol error from worker %s peer=%s: %s", self._label(), self.peer, reason)
         if self.worker is not None:
             runtime.current().relay.close_worker(self.worker, 1002, reason)
         elif self.link is not None:
@@ -233,6 +241,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         code = message.get("code")
         if link is not None and link.closed_with is not None:
             reason = link.closed_with[1]
+        elif code in _TRANSPORT_FAILURES:
+            reason = _TRANSPORT_FAILURES[code]
+            logger.warning("worker %s peer=%s closed: %s", self._label(), self.peer, reason)
         else:
             reason = f"connection closed by worker (code {code})"
         if worker is not None:
