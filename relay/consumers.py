@@ -228,7 +228,9 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     def _violation(self, reason: str) -> None:
         """Close only this worker with 1002; everyone else carries on."""
         self._register_timer = None
-        logger.warning("protocol error from worker %s peer=%s: %s", self._label(), self.peer, reason)
+        logger.warning(
+            "protocol error from worker %s peer=%s: %s", self._label(), self.peer, reason
+        )
         if self.worker is not None:
             runtime.current().relay.close_worker(self.worker, 1002, reason)
         elif self.link is not None:

@@ -127,9 +127,8 @@ async def test_streaming_is_flushed_chunk_by_chunk_and_disconnect_cancels(relay_
                 # Each chunk is produced only after the client saw the previous one:
                 # nothing can be sitting in a buffer along the way.
                 text = f'data: {{"n":{n}}}\n\n'
-                await ws.send(
-                    protocol.encode(protocol.ResponseChunk(request_id=request.request_id, chunk=text))
-                )
+                chunk = protocol.ResponseChunk(request_id=request.request_id, chunk=text)
+                await ws.send(protocol.encode(chunk))
                 if n == 0:
                     response = await opening
                     assert response.headers["content-type"].startswith("text/event-stream")
