@@ -12,6 +12,7 @@ request object: client disconnects, timeouts and worker loss all end in one plac
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,6 +32,7 @@ from relay.errors import (
     error_response,
 )
 from relay.headers import forwarded_request_headers, response_headers
+from relay.metrics import CONTENT_TYPE
 from relay.request import CANCELLED, Completion, RelayRequest
 from relay.sse import STREAM_HEADERS, error_event
 
@@ -133,6 +135,8 @@ class RelayHttpApp:
             await self._health(scope, send)
         elif path == "/v1/models" or path.startswith("/v1/models/"):
             await self._models(scope, send, path)
+        elif path == "/metrics":
+            await self._metrics(scope, send)
         else:
             await self.fallback(scope, receive, send)
 
@@ -147,6 +151,7 @@ class RelayHttpApp:
             return
         relay = rt.relay
         path = scope["path"]
+        await rt.ready()  # providers and keys loaded (instant after the first request)
         try:
             if method != "POST":
                 raise MethodNotAllowed(f"Use POST for {path}")
@@ -169,7 +174,6 @@ class RelayHttpApp:
             relay.record_rejection(err, "", path, False, None)
             await _send_error(send, err, flavor, cors)
             return
-        await rt.ready()
         try:
             request = relay.submit(
                 model=model,
@@ -200,11 +204,27 @@ class RelayHttpApp:
         }
         await _send_json(send, 503 if draining else 200, document)
 
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        rt = runtime.current()
+        token = rt.metrics_token
+        if token:
+            given = _header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given, b"Bearer " + token.encode()):
+                await _send_simple(send, 403, [(b"content-type", b"text/plain")], b"forbidden\n")
+                return
+        body = rt.metrics.render()
+        headers = [
+            (b"content-type", CONTENT_TYPE.encode()),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await _send_simple(send, 200, headers, body)
+
     async def _models(self, scope: Scope, send: Send, path: str) -> None:
         rt = runtime.current()
         cors = rt.cors.headers(_header(scope, b"origin")) or []
         anthropic = _header(scope, b"anthropic-version") is not None
         flavor: Flavor = "anthropic" if anthropic else "openai"
+        await rt.ready()
         try:
             if scope["method"] not in ("GET", "HEAD"):
                 raise MethodNotAllowed("Use GET for /v1/models")
@@ -212,7 +232,6 @@ class RelayHttpApp:
         except RelayError as err:
             await _send_error(send, err, flavor, cors)
             return
-        await rt.ready()
         models = rt.relay.routable_models()
         created = int(rt.relay.started_wall)
 

@@ -1,9 +1,10 @@
 """The Django edge around the relay core: one :class:`Relay` per event loop.
 
-Builds the core's config from settings, keeps its provider table in sync with the
-database (at once for changes made in this process, within PROVIDER_SYNC_SECS for
-changes made elsewhere) and holds the per-process auth throttle. HTTP handlers and
-the worker consumer reach the core only through :func:`current`.
+Builds the core's config from settings and keeps its provider table and the API-key
+cache in sync with the database (at once for changes made in this process, within
+SYNC_SECS for changes made elsewhere). Owns the background tasks that go with the
+relay (sync, request-log bookkeeping), the auth throttle and the metrics registry.
+HTTP handlers and the worker consumer reach the core only through :func:`current`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import logging
 
 from django.conf import settings
 
+from relay.bookkeeper import Bookkeeper, in_thread
 from relay.config import RelayConfig
 from relay.cors import CorsPolicy
 from relay.dispatch import Relay
-from relay.errors import Flavor, Unauthorized
+from relay.errors import Flavor
+from relay.keycache import KeyCache, KnownKey
+from relay.metrics import RelayMetrics
 from relay.ratelimit import AuthThrottle, Network, parse_networks
 
 logger = logging.getLogger("relay.runtime")
@@ -56,11 +60,27 @@ class Runtime:
         )
         self.trusted_proxies: list[Network] = parse_networks(settings.TRUSTED_PROXIES)
         self.cors = CorsPolicy(settings.CORS_ALLOWED_ORIGINS)
+        self.require_keys: bool = settings.MODELRELAY_REQUIRE_API_KEYS
+        self.metrics_token: str = settings.MODELRELAY_METRICS_TOKEN
+        self.keys = KeyCache(settings.SECRET_PEPPER)
+        self.bookkeeper = Bookkeeper(
+            self.keys,
+            flush_interval=settings.REQUEST_LOG_FLUSH_SECS,
+            retention_days=settings.AUDIT_RETENTION_DAYS,
+        )
+        self.metrics = RelayMetrics(self.relay)
+        self.relay.observers.extend(
+            [self.keys.observe, self.bookkeeper.observe, self.metrics.observe]
+        )
         self.sockets = 0
         self._sockets_gone = asyncio.Event()
         self._poke = asyncio.Event()
         self._loaded = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = [loop.create_task(self._sync_loop())]
+        self._keys_version: tuple[object, int] | None = None
+        self._tasks: list[asyncio.Task[None]] = [
+            loop.create_task(self._sync_loop()),
+            loop.create_task(self.bookkeeper.run()),
+        ]
 
     def authenticate(
         self, headers: list[tuple[bytes, bytes]], flavor: Flavor
@@ -70,9 +90,9 @@ class Runtime:
         Returns the key id (``None`` when keys are off) and the names of the headers
         that carried relay credentials, which must not be forwarded to backends.
         """
-        if not settings.MODELRELAY_REQUIRE_API_KEYS:
+        if not self.require_keys:
             return None, frozenset()
-        raise Unauthorized()
+        return self.keys.authenticate(headers, flavor)
 
     async def ready(self) -> None:
         """Wait (briefly, once) for the first provider load."""
@@ -84,23 +104,29 @@ class Runtime:
         except TimeoutError:
             logger.error("provider table not loaded after 10 s; serving with what is known")
 
-    async def sync_providers(self) -> None:
+    async def sync(self) -> None:
+        """Re-read providers (always) and API keys (when they changed)."""
         from workers_app.models import Provider
         from workers_app.services import provider_policy
 
         as_of = self.loop.time()
-        rows = [p async for p in Provider.objects.all()]
+        rows = await in_thread(lambda: list(Provider.objects.all()))
         self.relay.sync_providers([provider_policy(p, self.config) for p in rows], as_of=as_of)
+        if self.require_keys:
+            version, keys = await in_thread(_load_keys, self._keys_version)
+            if keys is not None:
+                self.keys.replace(keys)
+            self._keys_version = version
         self._loaded.set()
 
     async def _sync_loop(self) -> None:
         while True:
             try:
-                await self.sync_providers()
+                await self.sync()
             except Exception:
-                logger.exception("provider sync failed; keeping the last known providers")
+                logger.exception("sync failed; keeping the last known providers and keys")
             try:
-                async with asyncio.timeout(settings.PROVIDER_SYNC_SECS):
+                async with asyncio.timeout(settings.SYNC_SECS):
                     await self._poke.wait()
             except TimeoutError:
                 pass
@@ -121,6 +147,7 @@ class Runtime:
     async def shutdown(self) -> None:
         """Graceful stop: drain the relay, close workers with 1012, wait for the closes."""
         await self.relay.shutdown(settings.SHUTDOWN_GRACE_SECS)
+        await self.bookkeeper.flush()
         if self.sockets > 0:
             try:
                 async with asyncio.timeout(5):
@@ -141,6 +168,22 @@ class Runtime:
         await self.relay.aclose()
 
 
+def _load_keys(
+    seen: tuple[object, int] | None,
+) -> tuple[tuple[object, int], dict[str, KnownKey] | None]:
+    """Active keys, or None when nothing changed since ``seen`` (one cheap query)."""
+    from django.db.models import Count, Max
+
+    from keys.models import ApiKey
+
+    summary = ApiKey.objects.aggregate(latest=Max("updated_at"), count=Count("id"))
+    version = (summary["latest"], summary["count"])
+    if version == seen:
+        return version, None
+    rows = ApiKey.objects.filter(revoked_at__isnull=True).values_list("id", "prefix", "key_hash")
+    return version, {prefix: KnownKey(id=key_id, key_hash=h) for key_id, prefix, h in rows}
+
+
 _current: Runtime | None = None
 
 
@@ -158,7 +201,7 @@ def peek() -> Runtime | None:
 
 
 def providers_changed() -> None:
-    """Thread-safe: ask the running runtime to reload providers now."""
+    """Thread-safe: ask the running runtime to reload providers and keys now."""
     runtime = _current
     if runtime is None or runtime.loop.is_closed():
         return
@@ -166,6 +209,9 @@ def providers_changed() -> None:
         runtime.loop.call_soon_threadsafe(runtime.poke)
     except RuntimeError:  # loop closed between the check and the call
         pass
+
+
+keys_changed = providers_changed
 
 
 async def reset() -> None:

@@ -34,6 +34,9 @@ class RequestRecord:
     cancel_reason: str | None = None
 
 
+_UNROUTED = frozenset({"model_not_found", "bad_request", "unauthorized"})
+
+
 class RelayStats:
     """Running totals since the process started."""
 
@@ -48,7 +51,9 @@ class RelayStats:
 
     def observe(self, record: RequestRecord) -> None:
         self.by_outcome[record.outcome] += 1
-        self.by_endpoint_model_outcome[(record.endpoint, record.model, record.outcome)] += 1
+        # Clients can send any model name; only routable ones become label values.
+        model = "(unknown)" if record.outcome in _UNROUTED else record.model
+        self.by_endpoint_model_outcome[(record.endpoint, model, record.outcome)] += 1
         if record.prompt_tokens:
             self.tokens[(record.model, "prompt")] += record.prompt_tokens
         if record.completion_tokens:

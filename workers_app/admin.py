@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from asgiref.sync import async_to_sync
 from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
-from workers_app.models import Provider, WorkerSession
+from relay import runtime, snapshot
+from workers_app.models import ConnectedWorker, Provider, RequestLog, WorkerSession
 
 
 def _show_secret_once(request: HttpRequest, provider: Provider, secret: str) -> None:
@@ -107,3 +110,88 @@ class WorkerSessionAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(RequestLog)
+class RequestLogAdmin(ReadOnlyAdmin):
+    list_display = (
+        "created_at",
+        "request_id",
+        "api_key",
+        "model",
+        "endpoint",
+        "worker_name",
+        "status",
+        "outcome",
+        "streamed",
+        "queue_wait_ms",
+        "ttfb_ms",
+        "duration_ms",
+        "prompt_tokens",
+        "completion_tokens",
+        "requeues",
+    )
+    list_filter = ("outcome", "streamed", "endpoint", "provider", "status")
+    search_fields = ("request_id", "model", "worker_name", "worker_id")
+    date_hierarchy = "created_at"
+    list_select_related = ("api_key",)
+
+
+async def _live_workers() -> list[dict[str, Any]]:
+    return snapshot.workers(runtime.current().relay)
+
+
+async def _act(action: str, worker_id: str) -> bool:
+    relay = runtime.current().relay
+    if action == "drain":
+        return relay.drain_worker(worker_id, reason="drained from the admin")
+    return relay.refresh_models(worker_id, reason="requested from the admin")
+
+
+@admin.register(ConnectedWorker)
+class ConnectedWorkerAdmin(admin.ModelAdmin):
+    """The live registry of this server process, with drain and refresh buttons."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if request.method == "POST":
+            if not request.user.has_perm("workers_app.drain_worker"):
+                messages.error(request, "You may not drain or refresh workers.")
+                return HttpResponseRedirect(request.path)
+            action = request.POST.get("action", "")
+            worker_id = request.POST.get("worker_id", "")
+            if action in ("drain", "refresh") and async_to_sync(_act)(action, worker_id):
+                verb = "Draining" if action == "drain" else "Asked to refresh models:"
+                messages.success(request, f"{verb} {worker_id}")
+            else:
+                messages.error(request, f"No connected worker {worker_id}")
+            return HttpResponseRedirect(request.path)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Connected workers",
+            "opts": self.model._meta,
+            "workers": async_to_sync(_live_workers)(),
+            "can_act": request.user.has_perm("workers_app.drain_worker"),
+        }
+        return TemplateResponse(request, "admin/workers_app/connected_workers.html", context)

@@ -115,3 +115,47 @@ class WorkerSession(models.Model):
 
     def __str__(self) -> str:
         return f"{self.worker_name} ({self.worker_id})"
+
+
+class RequestLog(models.Model):
+    """One finished (or rejected) client request, written in batches off the hot path."""
+
+    request_id = models.CharField(max_length=64, blank=True, db_index=True)
+    api_key = models.ForeignKey(
+        "keys.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="requests_log"
+    )
+    provider = models.CharField(max_length=64, blank=True)
+    model = models.CharField(max_length=256, blank=True, db_index=True)
+    endpoint = models.CharField(max_length=64)
+    worker_id = models.CharField(max_length=64, blank=True)
+    worker_name = models.CharField(max_length=200, blank=True)
+    status = models.PositiveSmallIntegerField()
+    outcome = models.CharField(max_length=32, db_index=True)
+    streamed = models.BooleanField(default=False)
+    queue_wait_ms = models.FloatField(default=0.0)
+    ttfb_ms = models.FloatField(null=True, blank=True)
+    duration_ms = models.FloatField(default=0.0)
+    prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
+    completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    requeues = models.PositiveSmallIntegerField(default=0)
+    cancel_reason = models.CharField(max_length=32, blank=True)
+    created_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "request log entry"
+        verbose_name_plural = "request log"
+
+    def __str__(self) -> str:
+        return f"{self.request_id or '(rejected)'} {self.model} {self.status}"
+
+
+class ConnectedWorker(models.Model):
+    """No table: gives the admin a "Connected workers" page showing the live registry."""
+
+    class Meta:
+        managed = False
+        verbose_name = "connected worker"
+        verbose_name_plural = "connected workers (live)"
+        default_permissions = ("view",)
+        permissions = [("drain_worker", "Can drain or refresh connected workers")]

@@ -1,0 +1,18 @@
+"""Refresh the running relay's key cache at once when a key changes in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models.signals import post_delete, post_save
+from django.dispatch import receiver
+
+from keys.models import ApiKey
+
+
+@receiver(post_save, sender=ApiKey)
+@receiver(post_delete, sender=ApiKey)
+def key_changed(sender: type[ApiKey], instance: ApiKey, **kwargs: Any) -> None:
+    from relay import runtime
+
+    runtime.keys_changed()

@@ -1,0 +1,148 @@
+"""Client API keys on the inference routes (SPEC §8)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from keys.models import ApiKey
+from keys.services import create_key, revoke_key
+from relay import protocol, runtime
+from relay.errors import Unauthorized
+from relay.keycache import KeyCache, KnownKey
+from tests.asgikit import FakeWorker, HttpCall, chat, make_provider
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+async def keyed(fresh_runtime, settings):
+    settings.MODELRELAY_REQUIRE_API_KEYS = True
+    await make_provider()
+    return await sync_to_async(create_key)("ci")
+
+
+def bearer(secret: str) -> list[tuple[bytes, bytes]]:
+    return [(b"authorization", f"Bearer {secret}".encode())]
+
+
+def test_the_cache_checks_prefix_and_hmac():
+    from relay.credentials import hash_secret
+
+    cache = KeyCache("pepper")
+    secret = "mrk_abcdefgh12345678"
+    cache.replace({secret[:12]: KnownKey(id=7, key_hash=hash_secret(secret, "pepper"))})
+    assert cache.verify(secret) == 7
+    assert cache.verify(secret + "x") is None
+    assert cache.verify("mrk_zzzzzzzz12345678") is None
+    with pytest.raises(Unauthorized, match="Missing API key"):
+        cache.authenticate([], "openai")
+    with pytest.raises(Unauthorized, match="Invalid or revoked"):
+        cache.authenticate([(b"authorization", b"Bearer nope")], "openai")
+    assert cache.authenticate([(b"x-api-key", secret.encode())], "anthropic") == (
+        7,
+        frozenset({"x-api-key"}),
+    )
+    with pytest.raises(Unauthorized):  # x-api-key only counts on the Anthropic route
+        cache.authenticate([(b"x-api-key", secret.encode())], "openai")
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ([], "Missing API key: send Authorization: Bearer <key>"),
+        ([(b"authorization", b"Bearer mrk_notakey")], "Invalid or revoked API key"),
+        (
+            [(b"authorization", b"Basic dXNlcjpwYXNz")],
+            "Missing API key: send Authorization: Bearer <key>",
+        ),
+    ],
+)
+async def test_requests_without_a_valid_key_get_401(keyed, headers, message):
+    call = await HttpCall("POST", "/v1/chat/completions", chat(), headers=headers).send()
+    status, document = await call.json()
+    assert status == 401
+    assert document["error"]["message"] == message
+    status, document = await (await HttpCall("GET", "/v1/models", headers=headers).send()).json()
+    assert status == 401
+    status, _ = await (await HttpCall("GET", "/health").send()).json()
+    assert status == 200  # never on /health
+
+
+async def test_a_valid_key_passes_and_is_not_forwarded(keyed):
+    async with FakeWorker() as worker:
+        await worker.register()
+        call = await HttpCall(
+            "POST", "/v1/chat/completions", chat(), headers=bearer(keyed.secret)
+        ).send()
+        request = await worker.expect(protocol.Request)
+        assert "authorization" not in request.headers
+        await worker.answer(request.request_id, prompt_tokens=5, completion_tokens=7)
+        assert (await call.response())[0] == 200
+
+
+async def test_anthropic_clients_may_use_x_api_key(keyed):
+    async with FakeWorker() as worker:
+        await worker.register()
+        headers = [(b"x-api-key", keyed.secret.encode()), (b"anthropic-version", b"2023-06-01")]
+        call = await HttpCall("POST", "/v1/messages", chat(), headers=headers).send()
+        request = await worker.expect(protocol.Request)
+        assert "x-api-key" not in request.headers
+        assert request.headers["anthropic-version"] == "2023-06-01"
+        await worker.answer(request.request_id)
+        assert (await call.response())[0] == 200
+        missing = await HttpCall("POST", "/v1/messages", chat()).send()
+        status, document = await missing.json()
+        assert status == 401 and document["error"]["type"] == "authentication_error"
+
+
+async def test_a_revoked_key_is_refused_at_once(keyed):
+    headers = bearer(keyed.secret)
+    status, _ = await (await HttpCall("GET", "/v1/models", headers=headers).send()).json()
+    assert status == 200
+    await sync_to_async(revoke_key)(keyed.key)
+    await runtime.current().sync()  # what the signal-triggered reload does
+    status, document = await (await HttpCall("GET", "/v1/models", headers=headers).send()).json()
+    assert status == 401
+    assert document["error"]["message"] == "Invalid or revoked API key"
+
+
+async def test_keys_created_elsewhere_are_seen_by_the_next_sync(keyed):
+    rt = runtime.current()
+    await rt.ready()
+    other = await sync_to_async(create_key)("made-by-another-process")
+    await rt.sync()
+    status, _ = await (
+        await HttpCall("GET", "/v1/models", headers=bearer(other.secret)).send()
+    ).json()
+    assert status == 200
+
+
+async def test_usage_and_last_used_are_written_off_the_hot_path(keyed):
+    async with FakeWorker() as worker:
+        await worker.register()
+        for _ in range(2):
+            call = await HttpCall(
+                "POST", "/v1/chat/completions", chat(), headers=bearer(keyed.secret)
+            ).send()
+            request = await worker.expect(protocol.Request)
+            await worker.answer(request.request_id, prompt_tokens=5, completion_tokens=7)
+            await call.response()
+    key = await ApiKey.objects.aget(id=keyed.key.id)
+    assert key.last_used_at is None and key.requests == 0  # nothing written per request
+    await runtime.current().bookkeeper.flush()
+    key = await ApiKey.objects.aget(id=keyed.key.id)
+    assert key.requests == 2
+    assert (key.prompt_tokens, key.completion_tokens) == (10, 14)
+    assert key.last_used_at is not None
+
+
+async def test_keys_are_stored_as_prefix_and_hmac_only(keyed):
+    key = await ApiKey.objects.aget(id=keyed.key.id)
+    assert keyed.secret.startswith("mrk_")
+    assert key.prefix == keyed.secret[:12]
+    assert keyed.secret not in json.dumps(
+        {f.name: str(getattr(key, f.name)) for f in ApiKey._meta.fields}
+    )
