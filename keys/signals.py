@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import transaction
 from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
@@ -15,4 +16,5 @@ from keys.models import ApiKey
 def key_changed(sender: type[ApiKey], instance: ApiKey, **kwargs: Any) -> None:
     from relay import runtime
 
-    runtime.keys_changed()
+    # After commit: other processes re-read the table when told, and must see the row.
+    transaction.on_commit(runtime.keys_changed)

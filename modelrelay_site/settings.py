@@ -116,6 +116,7 @@ MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 # --- Channels ----------------------------------------------------------------
 
 REDIS_URL = env_str("REDIS_URL", "")
+REDIS_PREFIX = env_str("REDIS_PREFIX", "modelrelay")
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
@@ -123,6 +124,7 @@ if REDIS_URL:
             "CONFIG": {
                 # redis-py 8 defaults to a 5 s socket timeout, which kills idle receivers.
                 "hosts": [{"address": REDIS_URL, "socket_timeout": None}],
+                "prefix": f"{REDIS_PREFIX}:asgi:",
                 "capacity": 1000,
                 "expiry": 30,
             },

@@ -96,7 +96,10 @@ class Accepted(Schema):
 
 @api.get("/workers")
 async def list_workers(request: HttpRequest) -> list[dict[str, Any]]:
-    return snapshot.workers(runtime.current().relay)
+    rt = runtime.current()
+    if rt.cluster is not None:
+        return await rt.cluster.workers()
+    return snapshot.workers(rt.relay)
 
 
 @api.get("/stats")
@@ -114,16 +117,23 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
 @api.post("/workers/{worker_id}/drain", response={202: Accepted})
 async def drain(request: HttpRequest, worker_id: str, payload: DrainIn | None = None) -> Any:
     payload = payload or DrainIn()
-    relay = runtime.current().relay
-    if not relay.drain_worker(worker_id, timeout=payload.timeout_secs, reason=payload.reason):
-        raise HttpError(404, f"no connected worker with id '{worker_id}'")
+    rt = runtime.current()
+    if not rt.relay.drain_worker(worker_id, timeout=payload.timeout_secs, reason=payload.reason):
+        forwarded = rt.cluster is not None and await rt.cluster.forward(
+            "drain", worker_id, timeout=payload.timeout_secs, reason=payload.reason
+        )
+        if not forwarded:
+            raise HttpError(404, f"no connected worker with id '{worker_id}'")
     return Status(202, {"id": worker_id, "status": "draining"})
 
 
 @api.post("/workers/{worker_id}/refresh", response={202: Accepted})
 async def refresh(request: HttpRequest, worker_id: str) -> Any:
-    if not runtime.current().relay.refresh_models(worker_id):
-        raise HttpError(404, f"no connected worker with id '{worker_id}'")
+    rt = runtime.current()
+    if not rt.relay.refresh_models(worker_id):
+        forwarded = rt.cluster is not None and await rt.cluster.forward("refresh", worker_id)
+        if not forwarded:
+            raise HttpError(404, f"no connected worker with id '{worker_id}'")
     return Status(202, {"id": worker_id, "status": "refresh requested"})
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from django.conf import settings
 
 from relay.bookkeeper import Bookkeeper, in_thread
+from relay.cluster import GROUP, Cluster
 from relay.config import RelayConfig
 from relay.cors import CorsPolicy
 from relay.dispatch import Relay
@@ -52,7 +54,7 @@ class Runtime:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.config = relay_config()
-        self.relay = Relay(self.config)
+        self.relay = Relay(self.config, instance=secrets.token_hex(3))
         self.throttle = AuthThrottle(
             max_failures=settings.AUTH_MAX_FAILURES,
             window=settings.AUTH_FAILURE_WINDOW_SECS,
@@ -81,6 +83,10 @@ class Runtime:
             loop.create_task(self._sync_loop()),
             loop.create_task(self.bookkeeper.run()),
         ]
+        self.cluster: Cluster | None = None
+        if settings.REDIS_URL:
+            self.cluster = Cluster(self, settings.REDIS_URL, settings.REDIS_PREFIX)
+            self._tasks.append(loop.create_task(self.cluster.run()))
 
     def authenticate(
         self, headers: list[tuple[bytes, bytes]], flavor: Flavor
@@ -116,6 +122,7 @@ class Runtime:
             version, keys = await in_thread(_load_keys, self._keys_version)
             if keys is not None:
                 self.keys.replace(keys)
+                logger.debug("API keys reloaded: %d active", len(keys))
             self._keys_version = version
         self._loaded.set()
 
@@ -201,14 +208,41 @@ def peek() -> Runtime | None:
 
 
 def providers_changed() -> None:
-    """Thread-safe: ask the running runtime to reload providers and keys now."""
+    """Thread-safe: make every server process reload providers and keys now.
+
+    Called from Django signals, in whatever thread saved the row (an admin request,
+    a management command). This process is poked directly; with Redis, all the
+    others are told through the channel layer.
+    """
     runtime = _current
-    if runtime is None or runtime.loop.is_closed():
+    if runtime is not None and not runtime.loop.is_closed():
+        try:
+            runtime.loop.call_soon_threadsafe(runtime.poke)
+        except RuntimeError:  # loop closed between the check and the call
+            runtime = None
+    if not settings.REDIS_URL:
         return
     try:
-        runtime.loop.call_soon_threadsafe(runtime.poke)
-    except RuntimeError:  # loop closed between the check and the call
-        pass
+        if runtime is not None and runtime.cluster is not None:
+            future = asyncio.run_coroutine_threadsafe(
+                runtime.cluster.broadcast_sync(), runtime.loop
+            )
+            future.add_done_callback(_log_failure)
+        else:  # no server loop in this process (a management command)
+            from asgiref.sync import async_to_sync
+            from channels.layers import get_channel_layer
+
+            layer = get_channel_layer()
+            if layer is not None:
+                async_to_sync(layer.group_send)(GROUP, {"type": "relay.sync"})
+    except Exception:
+        logger.warning("could not broadcast a provider/key change through Redis", exc_info=True)
+
+
+def _log_failure(future: object) -> None:
+    exc = future.exception()  # type: ignore[attr-defined]
+    if exc is not None:
+        logger.warning("could not broadcast a provider/key change through Redis: %s", exc)
 
 
 keys_changed = providers_changed

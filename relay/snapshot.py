@@ -1,6 +1,7 @@
 """Plain-data views of the live relay for the admin API, admin pages and dashboard.
 
-Called on the event loop; returns JSON-ready dicts and never mutates anything.
+Called on the event loop; returns JSON-ready dicts and never mutates the relay
+(the dashboard's first snapshot attaches the outcome timeline, an observer).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from relay import __version__
+from relay import __version__, timeline
 from relay.dispatch import Relay
 from relay.registry import Worker
 
@@ -88,3 +89,31 @@ def recent(relay: Relay, limit: int = 50) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def connected_since(relay: Relay, worker: Worker) -> float:
+    """Wall-clock time (epoch seconds) at which ``worker`` connected."""
+    return time.time() - (relay.loop.time() - worker.connected_at)
+
+
+def dashboard(relay: Relay, *, recent_limit: int = 25) -> dict[str, Any]:
+    """Everything the live dashboard shows, as one JSON-ready snapshot."""
+    rates = timeline.for_relay(relay)
+    return {
+        "at": time.time(),
+        "stats": stats(relay),
+        "workers": workers(relay),
+        "recent": recent(relay, limit=recent_limit),
+        "rate_per_sec": round(rates.rate(), 3),
+        "timeline": rates.series(),
+    }
+
+
+def provider_workers(relay: Relay, provider: str, *, since: float = 0.0) -> list[dict[str, Any]]:
+    """Workers of ``provider`` that connected at or after wall time ``since``, oldest first."""
+    found = [
+        (connected_since(relay, w), w)
+        for w in relay.registry.of_provider(provider)
+        if connected_since(relay, w) >= since
+    ]
+    return [describe_worker(relay, w) for _, w in sorted(found, key=lambda item: item[0])]

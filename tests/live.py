@@ -62,11 +62,13 @@ class LiveServer:
         if not self._ready.wait(timeout):
             self.stop()
             raise RuntimeError("server did not start:\n" + self.log())
-        if self.process.poll() is not None:
+        if not self.url or self.process.poll() is not None:
+            self.stop()
             raise RuntimeError("server exited:\n" + self.log())
 
     def _pump(self, process: subprocess.Popen[str]) -> None:
         assert process.stdout is not None
+        self.url = ""
         for line in process.stdout:
             self.output.append(line)
             match = _LISTEN_RE.search(line)

@@ -159,3 +159,13 @@ class ConnectedWorker(models.Model):
         verbose_name_plural = "connected workers (live)"
         default_permissions = ("view",)
         permissions = [("drain_worker", "Can drain or refresh connected workers")]
+
+
+class SiteState(models.Model):
+    """Small facts about this installation that every server process must agree on."""
+
+    name = models.CharField(max_length=64, unique=True)
+    value = models.CharField(max_length=256)
+
+    def __str__(self) -> str:
+        return self.name

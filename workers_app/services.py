@@ -12,7 +12,8 @@ from django.utils import timezone
 
 from modelrelay_site.env import persisted_secret
 from relay.config import ProviderPolicy, RelayConfig
-from workers_app.models import Provider, WorkerSession
+from relay.credentials import hash_secret
+from workers_app.models import Provider, SiteState, WorkerSession
 
 logger = logging.getLogger("relay.providers")
 
@@ -75,3 +76,25 @@ def prune_sessions(days: int) -> int:
     cutoff = timezone.now() - dt.timedelta(days=days)
     deleted, _ = WorkerSession.objects.filter(disconnected_at__lt=cutoff).delete()
     return deleted
+
+
+class PepperMismatch(Exception):
+    pass
+
+
+def check_pepper(pepper: str) -> None:
+    """Refuse to run with a different HMAC pepper than the database was set up with.
+
+    Secrets are stored as HMACs under the pepper: a process with another pepper would
+    reject every worker secret and API key, and re-key the default provider under its
+    own. Every process sharing a database must share MODELRELAY_SECRET_PEPPER.
+    """
+    fingerprint = hash_secret("modelrelay pepper check", pepper)
+    state, _ = SiteState.objects.get_or_create(
+        name="pepper_fingerprint", defaults={"value": fingerprint}
+    )
+    if state.value != fingerprint:
+        raise PepperMismatch(
+            "this database was set up with a different MODELRELAY_SECRET_PEPPER; every "
+            "server process sharing a database must use the same pepper (see docs/DEPLOY.md)"
+        )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import transaction
 from django.db.models.signals import post_delete, post_save
 from django.dispatch import receiver
 
@@ -19,4 +20,5 @@ from workers_app.models import Provider
 def provider_changed(sender: type[Provider], instance: Provider, **kwargs: Any) -> None:
     from relay import runtime
 
-    runtime.providers_changed()
+    # After commit: other processes re-read the table when told, and must see the row.
+    transaction.on_commit(runtime.providers_changed)

@@ -22,7 +22,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from relay import __version__, runtime
 from workers_app.services import (
     Bootstrap,
+    PepperMismatch,
     bootstrap_default_provider,
+    check_pepper,
     close_stale_sessions,
     prune_sessions,
 )
@@ -55,6 +57,10 @@ class Command(BaseCommand):
         host, port = parse_listen(options["listen"] or settings.LISTEN_ADDR)
         if not options["no_migrate"]:
             call_command("migrate", interactive=False, verbosity=0)
+        try:
+            check_pepper(settings.SECRET_PEPPER)
+        except PepperMismatch as exc:
+            raise CommandError(str(exc)) from None
         boot = bootstrap_default_provider(
             settings.PROVIDER_NAME, settings.WORKER_SECRET, settings.DATA_DIR
         )
@@ -85,6 +91,9 @@ class Command(BaseCommand):
         loop = asyncio.get_event_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        # Start the relay now (provider sync, bookkeeping, cluster membership) rather
+        # than on the first request.
+        loop.call_soon(runtime.current)
         if not self.server.listening_addresses:
             return
         host, port = self.server.listening_addresses[0]
