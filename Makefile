@@ -22,8 +22,16 @@ run: $(VENV)/.runtime
 browser:
 	@command -v chromium >/dev/null 2>&1 || scripts/install-chromium.sh
 
+# The ORM and end-to-end tests run a second time against PostgreSQL (127.0.0.1:5432,
+# database "test"); without a reachable server that pass is skipped, except in CI.
+PG_URL ?= postgres://postgres@127.0.0.1:5432/test
+PG_TESTS := tests/test_worker_socket.py tests/test_http_api.py tests/test_keys.py \
+	tests/test_admin_api.py tests/test_commands.py tests/test_live_relay.py tests/test_cluster.py
+
 test: $(VENV)/.dev browser
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)
+	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_DATABASE=postgres DATABASE_URL=$(PG_URL) \
+		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(PG_TESTS)
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

@@ -26,6 +26,44 @@ def require_service(name: str, host: str, port: int) -> None:
         pytest.skip(message)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The PostgreSQL pass needs the server; without it, fail in CI and skip elsewhere."""
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] != "django.db.backends.postgresql":
+        return
+    host, port = database.get("HOST") or "127.0.0.1", int(database.get("PORT") or 5432)
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        message = f"PostgreSQL is not reachable on {host}:{port} ({exc})"
+        if IN_CI:
+            pytest.exit(message + "; CI requires it", returncode=1)
+        pytest.exit(message + "; skipping the PostgreSQL pass", returncode=0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_database_pools(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Return pooled PostgreSQL connections before the test database is dropped."""
+    from django.conf import settings
+
+    if settings.DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+        yield
+        return
+    request.getfixturevalue("django_db_setup")  # so this teardown runs before its own
+    yield
+    from asgiref.sync import SyncToAsync
+    from django.db import connections
+
+    # Async ORM calls ran in asgiref's shared thread: release that thread's connection.
+    SyncToAsync.single_thread_executor.submit(connections.close_all).result(timeout=10)
+    for connection in connections.all():
+        connection.close()
+        if hasattr(connection, "close_pool"):
+            connection.close_pool()
+
+
 @pytest.fixture
 def relay_server_factory(
     tmp_path: Path,

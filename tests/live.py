@@ -14,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,12 +138,36 @@ def server_env(data_dir: Path, **overrides: str) -> dict[str, str]:
     return env
 
 
+POSTGRES_PASS = os.environ.get("RELAY_TEST_DATABASE") == "postgres"
+POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@contextmanager
+def _scratch_postgres_database() -> Iterator[str]:
+    """A fresh PostgreSQL database for one live server, dropped afterwards."""
+    import psycopg
+
+    name = f"mrlive_{uuid.uuid4().hex[:12]}"
+    base = POSTGRES_URL.rsplit("/", 1)[0]
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{base}/{name}"
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @contextmanager
 def live_server(data_dir: Path, **overrides: str) -> Iterator[LiveServer]:
+    """A started server; on the PostgreSQL pass each gets its own scratch database."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = LiveServer(data_dir=data_dir, env=server_env(data_dir, **overrides))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    with ExitStack() as stack:
+        if POSTGRES_PASS and "DATABASE_URL" not in overrides:
+            overrides["DATABASE_URL"] = stack.enter_context(_scratch_postgres_database())
+        server = LiveServer(data_dir=data_dir, env=server_env(data_dir, **overrides))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()

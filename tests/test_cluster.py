@@ -86,8 +86,9 @@ async def test_admin_actions_and_key_changes_reach_every_process(relay_server_fa
 
 def test_a_process_with_another_pepper_refuses_to_start(relay_server_factory):
     with relay_server_factory(MODELRELAY_SECRET_PEPPER="first") as a:
-        database = a.env["DATABASE_URL"]
-    second = relay_server_factory(MODELRELAY_SECRET_PEPPER="second", DATABASE_URL=database)
-    with pytest.raises(RuntimeError) as failure, second:
-        pass
-    assert "different MODELRELAY_SECRET_PEPPER" in str(failure.value)
+        second = relay_server_factory(
+            MODELRELAY_SECRET_PEPPER="second", DATABASE_URL=a.env["DATABASE_URL"]
+        )
+        with pytest.raises(RuntimeError) as failure, second:
+            pass
+        assert "different MODELRELAY_SECRET_PEPPER" in str(failure.value)
