@@ -9,6 +9,10 @@ handler so an application close goes out as exactly that close frame.
 It also turns off autobahn's ``failByDrop``: a frame over MAX_MESSAGE_BYTES or
 invalid UTF-8 then gets a proper close frame (1009/1007 with a reason) instead of
 a dropped TCP connection the worker cannot explain.
+
+And it stops Twisted from parsing every POST body as a possible HTML form (it runs
+the ``email`` package's header parser on each Content-Type): daphne hands the raw
+body to the application and never looks at Twisted's parsed form arguments.
 Installed only when daphne is the server in this process.
 """
 
@@ -21,7 +25,16 @@ from typing import Any
 def install() -> None:
     if "daphne.server" not in sys.modules:
         return
+    from daphne.http_protocol import WebRequest
     from daphne.ws_protocol import WebSocketFactory, WebSocketProtocol
+
+    original_init = WebRequest.__init__
+
+    def request_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        self._parsePOSTFormSubmission = False
+
+    WebRequest.__init__ = request_init
 
     if getattr(WebSocketProtocol, "_relay_close_frames", False):
         return

@@ -1,6 +1,7 @@
 from django.contrib import admin
 from django.urls import path
 
+from relay import pages, wizard
 from relay.api import api
 
 admin.site.site_header = "ModelRelay"
@@ -10,4 +11,17 @@ admin.site.index_title = "Operations"
 urlpatterns = [
     path("admin/", api.urls),
     path("django-admin/", admin.site.urls),
+    path("", pages.home, name="home"),
+    path("dashboard", pages.dashboard, name="dashboard"),
+    path("dashboard/events", pages.events, name="dashboard-events"),
+    path(
+        "dashboard/workers/<str:worker_id>/<str:action>",
+        pages.worker_action,
+        name="dashboard-worker-action",
+    ),
+    path("setup", wizard.start, name="setup"),
+    path("setup/backend", wizard.backend, name="setup-backend"),
+    path("setup/worker", wizard.worker, name="setup-worker"),
+    path("setup/status", wizard.status, name="setup-status"),
+    path("setup/worker.pyz", wizard.worker_pyz, name="setup-worker-pyz"),
 ]

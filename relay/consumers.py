@@ -15,6 +15,7 @@ from collections import deque
 from typing import Any
 from urllib.parse import parse_qs
 
+from channels.db import aclose_old_connections
 from channels.exceptions import StopConsumer
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -32,6 +33,7 @@ from relay.protocol import (
     decode_worker_message,
 )
 from relay.ratelimit import client_address
+from relay.dispatch import Relay
 from relay.registry import Worker
 
 logger = logging.getLogger("relay.worker_socket")
@@ -91,6 +93,7 @@ class ConsumerLink:
 
 
 class WorkerConsumer(AsyncWebsocketConsumer):
+    relay: Relay
     link: ConsumerLink | None = None
     worker: Worker | None = None
     provider_name: str = ""
@@ -98,8 +101,34 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     _register_timer: asyncio.TimerHandle | None = None
     _audit: asyncio.Task[Any] | None = None
 
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Read and dispatch frames in a plain loop.
+
+        The generic consumer loop spawns a task per message to also listen on a
+        channel-layer channel, and closes stale DB connections (a thread hop) before
+        every handler. A worker socket carries every token chunk, needs no channel of
+        its own (cross-process control goes through :mod:`relay.cluster`) and touches
+        the database only on connect and disconnect, so neither cost is paid here.
+        """
+        self.scope = scope
+        self.channel_layer = None
+        self.base_send = send
+        try:
+            while True:
+                message = await receive()
+                match message["type"]:
+                    case "websocket.receive":
+                        await self.websocket_receive(message)
+                    case "websocket.connect":
+                        await self.websocket_connect(message)
+                    case "websocket.disconnect":
+                        await self.websocket_disconnect(message)
+        except StopConsumer:
+            pass
+
     async def websocket_connect(self, message: dict[str, Any]) -> None:
         rt = runtime.current()
+        self.relay = rt.relay
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.scope["headers"]
         }
@@ -171,7 +200,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         except ProtocolError as exc:
             self._violation(str(exc))
             return
-        relay = runtime.current().relay
+        relay = self.relay
         worker = self.worker
         if worker is None:
             if isinstance(msg, Register):
@@ -255,6 +284,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             runtime.current().socket_closed()
         if worker is not None:
             await self._close_session(worker, reason)
+        await aclose_old_connections()
         raise StopConsumer()
 
     async def _open_session(self, worker: Worker) -> None:

@@ -197,7 +197,7 @@ class Relay:
         self._seq += 1
         primary = candidates[0]
         request = RelayRequest(
-            id=f"r-{self.instance}{self._seq:x}-{secrets.token_hex(4)}",
+            id=f"r-{self.instance}-{self._seq:x}",
             seq=self._seq,
             provider=primary.policy.name,
             model=model,
