@@ -22,6 +22,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from relay import runtime
+from relay.dispatch import Relay
 from relay.errors import ProtocolError
 from relay.protocol import (
     Error,
@@ -33,7 +34,6 @@ from relay.protocol import (
     decode_worker_message,
 )
 from relay.ratelimit import client_address
-from relay.dispatch import Relay
 from relay.registry import Worker
 
 logger = logging.getLogger("relay.worker_socket")
