@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from relay.errors import Flavor, RelayError
+from relay.stats import RequestRecord
 
 if TYPE_CHECKING:
     from asyncio import Future, TimerHandle
@@ -167,6 +168,31 @@ class RelayRequest:
         events = self._events
         self._events = []
         return events
+
+    def record(self, cancel_reason: str | None = None) -> RequestRecord:
+        """The bookkeeping record of this (finished) request."""
+        counts = self.token_counts
+        finished = self.finished_at or self.created
+        return RequestRecord(
+            request_id=self.id,
+            key_id=self.key_id,
+            provider=self.provider,
+            model=self.model,
+            endpoint=self.endpoint_path,
+            worker_id=self.worker_id,
+            worker_name=self.worker_name,
+            status=self.status or 0,
+            outcome=self.outcome or "error",
+            streamed=self.is_streaming,
+            queue_wait=self.queue_wait,
+            ttfb=None if self.first_byte_at is None else self.first_byte_at - self.created,
+            duration=finished - self.created,
+            prompt_tokens=counts.prompt_tokens if counts else None,
+            completion_tokens=counts.completion_tokens if counts else None,
+            requeues=self.requeues,
+            created_at=self.created_wall,
+            cancel_reason=cancel_reason,
+        )
 
     def __repr__(self) -> str:
         return f"<RelayRequest {self.id} {self.model} {self.phase.name}>"

@@ -8,6 +8,7 @@ exporter are others.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -32,6 +33,38 @@ class RequestRecord:
     requeues: int
     created_at: float
     cancel_reason: str | None = None
+
+    @classmethod
+    def rejected(
+        cls,
+        *,
+        status: int,
+        outcome: str,
+        model: str,
+        endpoint: str,
+        streamed: bool,
+        key_id: int | None,
+    ) -> RequestRecord:
+        """A request refused before it was admitted: no id, worker or timings."""
+        return cls(
+            request_id="",
+            key_id=key_id,
+            provider="",
+            model=model,
+            endpoint=endpoint,
+            worker_id=None,
+            worker_name=None,
+            status=status,
+            outcome=outcome,
+            streamed=streamed,
+            queue_wait=0.0,
+            ttfb=None,
+            duration=0.0,
+            prompt_tokens=None,
+            completion_tokens=None,
+            requeues=0,
+            created_at=time.time(),
+        )
 
 
 _UNROUTED = frozenset({"model_not_found", "bad_request", "unauthorized"})

@@ -17,6 +17,7 @@ CORE = [
     "relay.queue",
     "relay.request",
     "relay.dispatch",
+    "relay.fleet",
     "relay.sse",
     "relay.headers",
     "relay.ratelimit",
