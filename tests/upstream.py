@@ -1,0 +1,623 @@
+"""A small, fast fake of an OpenAI-compatible inference server (llama-server, vLLM, Ollama).
+
+Plain asyncio HTTP/1.1 on ``127.0.0.1:0`` with keep-alive and Content-Length request
+bodies; no framework, so it costs little per request and can stand behind a
+benchmark as well as tests. Output is deterministic (fixed ids and timestamps), so
+a response relayed through ModelRelay can be compared byte for byte with the same
+request sent here directly.
+
+Endpoints:
+
+- ``POST /v1/chat/completions``, ``/v1/responses``, ``/v1/messages``: JSON with usage,
+  or with ``"stream": true`` server-sent events in each API's real shape, usage
+  included (chat: a final ``choices: []`` chunk, then ``data: [DONE]``);
+- ``GET /v1/models`` (OpenAI list), ``GET /props`` (llama-server ``total_slots``),
+  ``GET /api/tags`` (Ollama).
+
+Behaviour is set by attributes (defaults for every request) or per request by a
+``"mock": {...}`` object in the JSON body, whose keys are :class:`Mock`'s fields:
+forced status and error body, delays before the first byte and per token,
+``stepped`` (each write waits for :meth:`FakeUpstream.release`), a multi-byte
+UTF-8 character split across two writes, chunked or close-delimited framing, a
+stream broken off mid-way, or ``hang`` (answer nothing until the client leaves).
+
+Every request is recorded (:class:`Recorded`) with an :class:`asyncio.Event` for
+"the response was fully written" and one for "the client disconnected first", so
+tests wait on events, never on time. Clients must not pipeline requests (httpx,
+the SDKs and the worker never do).
+
+Use ``async with FakeUpstream() as up: up.url`` inside a test's event loop, or
+``with upstream_in_thread() as up:`` for synchronous tests (its own loop in a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+Framing = Literal["chunked", "close"]
+
+CREATED = 1_700_000_000
+#: Every token carries this 3-byte character; ``split_utf8`` cuts it between writes.
+EURO = "€"
+_EURO = EURO.encode()
+_json = msgspec.json.Encoder()
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+}
+
+
+class Mock(msgspec.Struct, forbid_unknown_fields=True):
+    """Per-request overrides (the ``"mock"`` object of a request body)."""
+
+    status: int | None = None
+    error_body: Any = None
+    tokens: int | None = None
+    prompt_tokens: int | None = None
+    first_byte_delay: float | None = None
+    token_delay: float | None = None
+    framing: Framing | None = None
+    split_utf8: bool = False
+    stepped: bool = False
+    break_after: int | None = None
+    hang: bool = False
+
+
+class _Body(msgspec.Struct):
+    model: str = "mock-model"
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    mock: Mock = msgspec.field(default_factory=Mock)
+
+
+_body_decoder = msgspec.json.Decoder(_Body)
+
+
+@dataclass(eq=False)
+class Recorded:
+    """One request as the upstream received it, and how its response ended."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def json(self) -> Any:
+        return msgspec.json.decode(self.body)
+
+
+def token_text(index: int) -> str:
+    return f" t{index}{EURO}"
+
+
+def expected_text(tokens: int) -> str:
+    """The assistant text a completion of ``tokens`` tokens carries."""
+    return "".join(token_text(i) for i in range(tokens))
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class FakeUpstream:
+    def __init__(
+        self,
+        *,
+        models: list[str] | None = None,
+        total_slots: int | None = None,
+        ollama: bool = False,
+        tokens: int = 5,
+        prompt_tokens: int = 7,
+        first_byte_delay: float = 0.0,
+        token_delay: float = 0.0,
+        framing: Framing = "chunked",
+        record: bool = True,
+    ) -> None:
+        self.models = ["mock-model"] if models is None else models
+        #: ``None``: ``GET /props`` answers 404 (vLLM, Ollama).
+        self.total_slots = total_slots
+        #: Ollama: ``GET /v1/models`` answers 404 and ``GET /api/tags`` lists the models.
+        self.ollama = ollama
+        #: Anything but 200 makes every GET answer it (llama-server answers 503 while loading).
+        self.discovery_status = 200
+        self.tokens = tokens
+        self.prompt_tokens = prompt_tokens
+        self.first_byte_delay = first_byte_delay
+        self.token_delay = token_delay
+        self.framing: Framing = framing
+        self.record = record
+        self.requests: list[Recorded] = []
+        self.url = ""
+        self._steps = asyncio.Semaphore(0)
+        self._arrived = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+
+    # -- lifecycle --------------------------------------------------------------
+
+    async def start(self, port: int = 0) -> FakeUpstream:
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", port)
+        sock = self._server.sockets[0]
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        # Aborting (not cancelling) ends each handler through its normal EOF path.
+        for writer in self._connections.values():
+            writer.transport.abort()
+        if self._connections:
+            await asyncio.wait(list(self._connections), timeout=5)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> FakeUpstream:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- test controls ------------------------------------------------------------
+
+    def release(self, writes: int = 1) -> None:
+        """Let ``writes`` more writes of ``stepped`` responses happen."""
+        for _ in range(writes):
+            self._steps.release()
+
+    def requests_to(self, path: str) -> list[Recorded]:
+        return [r for r in self.requests if r.path == path]
+
+    async def wait_requests(
+        self, count: int, path: str | None = None, timeout: float = 5.0
+    ) -> list[Recorded]:
+        """Wait until ``count`` requests (to ``path``, if given) have arrived."""
+        async with asyncio.timeout(timeout):
+            while True:
+                seen = self.requests if path is None else self.requests_to(path)
+                if len(seen) >= count:
+                    return seen
+                self._arrived.clear()
+                await self._arrived.wait()
+
+    # -- HTTP ---------------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                    return
+                line, *lines = head[:-4].decode("latin-1").split("\r\n")
+                method, target, _ = line.split(" ", 2)
+                headers = {}
+                for raw in lines:
+                    name, _, value = raw.partition(":")
+                    headers[name.strip().lower()] = value.strip()
+                length = int(headers.get("content-length") or 0)
+                body = await reader.readexactly(length) if length else b""
+                rec = Recorded(method, target.split("?", 1)[0], headers, body)
+                if self.record:
+                    self.requests.append(rec)
+                    self._arrived.set()
+                keep_alive = headers.get("connection", "").lower() != "close"
+                if not await self._respond(rec, reader, writer) or not keep_alive:
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            del self._connections[task]
+            writer.close()
+
+    async def _respond(
+        self, rec: Recorded, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
+        """Answer one request; False when the connection must not be reused."""
+        if rec.method == "GET":
+            status, document = self._get(rec.path)
+            self._write_json(writer, status, document)
+            rec.finished.set()
+            return True
+        if rec.path not in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+            self._write_json(writer, 404, {"error": {"message": "not found", "type": "x"}})
+            rec.finished.set()
+            return True
+        try:
+            req = _body_decoder.decode(rec.body)
+        except msgspec.DecodeError as exc:
+            self._write_json(writer, 400, {"error": {"message": str(exc), "type": "bad"}})
+            rec.finished.set()
+            return True
+        mock = req.mock
+        delay = self.first_byte_delay if mock.first_byte_delay is None else mock.first_byte_delay
+        slow = req.stream or mock.hang or mock.stepped or delay > 0
+        if not slow:  # the hot path: no watcher task, one write
+            self._write_answer(writer, rec.path, req)
+            rec.finished.set()
+            return True
+        # Slow answers race the client: EOF on the socket means it went away.
+        produce = asyncio.ensure_future(self._slow_answer(writer, rec.path, req, delay))
+        watch = asyncio.ensure_future(reader.read(1))
+        try:
+            await asyncio.wait({produce, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (produce, watch):
+                task.cancel()
+            await asyncio.wait({produce, watch})
+        if produce.cancelled() or produce.exception() is not None:
+            rec.disconnected.set()
+            return False
+        rec.finished.set()
+        return produce.result()
+
+    def _get(self, path: str) -> tuple[int, Any]:
+        if self.discovery_status != 200:
+            return self.discovery_status, {"error": {"message": "unavailable", "type": "mock"}}
+        if path == "/v1/models" and not self.ollama:
+            data = [
+                {"id": m, "object": "model", "created": CREATED, "owned_by": "mock"}
+                for m in self.models
+            ]
+            return 200, {"object": "list", "data": data}
+        if path == "/api/tags" and self.ollama:
+            return 200, {"models": [{"name": m, "model": m, "size": 1} for m in self.models]}
+        if path == "/props" and self.total_slots is not None:
+            return 200, {"total_slots": self.total_slots, "model_path": "/models/mock.gguf"}
+        return 404, {"error": {"message": f"no route for {path}", "type": "not_found"}}
+
+    def _write_json(
+        self, writer: asyncio.StreamWriter, status: int, document: Any, *, close: bool = False
+    ) -> None:
+        body = document if isinstance(document, bytes) else _json.encode(document)
+        head = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"x-mock-upstream: 1\r\n"
+        )
+        if close:
+            head += "connection: close\r\n"
+        writer.write(head.encode() + b"\r\n" + body)
+
+    def _write_answer(self, writer: asyncio.StreamWriter, path: str, req: _Body) -> None:
+        mock = req.mock
+        if mock.status is not None and mock.status >= 400:
+            body = mock.error_body if mock.error_body is not None else _error_document(path)
+            if isinstance(body, str):
+                body = body.encode()
+            self._write_json(writer, mock.status, body)
+            return
+        tokens = self.tokens if mock.tokens is None else mock.tokens
+        prompt = self.prompt_tokens if mock.prompt_tokens is None else mock.prompt_tokens
+        self._write_json(writer, mock.status or 200, _document(path, req.model, tokens, prompt))
+
+    async def _slow_answer(
+        self, writer: asyncio.StreamWriter, path: str, req: _Body, delay: float
+    ) -> bool:
+        mock = req.mock
+        if mock.hang:
+            await asyncio.Future()  # until the client leaves
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not req.stream or (mock.status is not None and mock.status >= 400):
+            if mock.stepped:
+                await self._steps.acquire()
+            self._write_answer(writer, path, req)
+            await writer.drain()
+            return True
+        tokens = self.tokens if mock.tokens is None else mock.tokens
+        prompt = self.prompt_tokens if mock.prompt_tokens is None else mock.prompt_tokens
+        token_delay = self.token_delay if mock.token_delay is None else mock.token_delay
+        framing = mock.framing or self.framing
+        head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+        head += "x-mock-upstream: 1\r\n"
+        head += (
+            "transfer-encoding: chunked\r\n\r\n"
+            if framing == "chunked"
+            else "connection: close\r\n\r\n"
+        )
+        writer.write(head.encode())
+        include_usage = (req.stream_options or {}).get("include_usage", True)
+        events = _events(path, req.model, tokens, prompt, include_usage)
+        for index, event in enumerate(events):
+            if mock.break_after is not None and index > mock.break_after:
+                writer.transport.abort()  # a broken stream: no terminating chunk
+                raise _ClientGone()
+            pieces = [event]
+            if mock.split_utf8 and _EURO in event:
+                cut = event.index(_EURO) + 1
+                pieces = [event[:cut], event[cut:]]
+            for piece in pieces:
+                if mock.stepped:
+                    await self._steps.acquire()
+                if writer.transport.is_closing():
+                    raise _ClientGone()
+                writer.write(
+                    b"%x\r\n%s\r\n" % (len(piece), piece) if framing == "chunked" else piece
+                )
+                await writer.drain()
+            if token_delay > 0 and index < len(events) - 1:
+                await asyncio.sleep(token_delay)
+        if framing == "chunked":
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return True
+        await writer.drain()
+        return False  # close-delimited: the end of the body is the end of the connection
+
+
+def _error_document(path: str) -> Any:
+    if path == "/v1/messages":
+        return {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": "mock error"},
+        }
+    return {"error": {"message": "mock error", "type": "invalid_request_error", "code": None}}
+
+
+def _document(path: str, model: str, tokens: int, prompt: int) -> dict[str, Any]:
+    text = expected_text(tokens)
+    if path == "/v1/messages":
+        return {
+            "id": "msg_mock",
+            "type": "message",
+            "role": "assistant",
+            "model": model,
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": prompt, "output_tokens": tokens},
+        }
+    if path == "/v1/responses":
+        return _response_object(model, "completed", [_message_item(text)], prompt, tokens)
+    return {
+        "id": "chatcmpl-mock",
+        "object": "chat.completion",
+        "created": CREATED,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": tokens,
+            "total_tokens": prompt + tokens,
+        },
+    }
+
+
+def _message_item(text: str | None) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    return {
+        "type": "message",
+        "id": "msg_mock",
+        "status": "completed" if text is not None else "in_progress",
+        "role": "assistant",
+        "content": content,
+    }
+
+
+def _response_object(
+    model: str, status: str, output: list[Any], prompt: int | None, tokens: int | None
+) -> dict[str, Any]:
+    usage = None
+    if prompt is not None and tokens is not None:
+        usage = {
+            "input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + tokens,
+        }
+    return {
+        "id": "resp_mock",
+        "object": "response",
+        "created_at": CREATED,
+        "status": status,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": usage,
+    }
+
+
+def _sse(data: Any, event: str | None = None) -> bytes:
+    prefix = b"event: " + event.encode() + b"\n" if event else b""
+    return prefix + b"data: " + _json.encode(data) + b"\n\n"
+
+
+def _events(path: str, model: str, tokens: int, prompt: int, include_usage: bool) -> list[bytes]:
+    """The whole stream as a list of SSE events, one write each."""
+    if path == "/v1/messages":
+        return _anthropic_events(model, tokens, prompt)
+    if path == "/v1/responses":
+        return _responses_events(model, tokens, prompt)
+    base = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": CREATED}
+    base["model"] = model
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return _sse(base | {"choices": [choice]})
+
+    events = [chunk({"role": "assistant", "content": ""})]
+    events += [chunk({"content": token_text(i)}) for i in range(tokens)]
+    events.append(chunk({}, "stop"))
+    if include_usage:
+        usage = {"prompt_tokens": prompt, "completion_tokens": tokens}
+        usage["total_tokens"] = prompt + tokens
+        events.append(_sse(base | {"choices": [], "usage": usage}))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def _anthropic_events(model: str, tokens: int, prompt: int) -> list[bytes]:
+    message: dict[str, Any] = {
+        "id": "msg_mock",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prompt, "output_tokens": 1},
+    }
+    events = [
+        _sse({"type": "message_start", "message": message}, "message_start"),
+        _sse(
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+            "content_block_start",
+        ),
+        _sse({"type": "ping"}, "ping"),
+    ]
+    for i in range(tokens):
+        delta = {"type": "text_delta", "text": token_text(i)}
+        events.append(
+            _sse({"type": "content_block_delta", "index": 0, "delta": delta}, "content_block_delta")
+        )
+    events += [
+        _sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
+        _sse(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                "usage": {"output_tokens": tokens},
+            },
+            "message_delta",
+        ),
+        _sse({"type": "message_stop"}, "message_stop"),
+    ]
+    return events
+
+
+def _responses_events(model: str, tokens: int, prompt: int) -> list[bytes]:
+    seq = iter(range(1_000_000))
+
+    def event(kind: str, **fields: Any) -> bytes:
+        return _sse({"type": kind, "sequence_number": next(seq), **fields}, kind)
+
+    text = expected_text(tokens)
+    where = {"item_id": "msg_mock", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": "", "annotations": []}
+    events = [
+        event("response.created", response=_response_object(model, "in_progress", [], None, None)),
+        event("response.output_item.added", output_index=0, item=_message_item(None)),
+        event("response.content_part.added", part=part, **where),
+    ]
+    events += [
+        event("response.output_text.delta", delta=token_text(i), **where) for i in range(tokens)
+    ]
+    done_part = part | {"text": text}
+    events += [
+        event("response.output_text.done", text=text, **where),
+        event("response.content_part.done", part=done_part, **where),
+        event("response.output_item.done", output_index=0, item=_message_item(text)),
+        event(
+            "response.completed",
+            response=_response_object(model, "completed", [_message_item(text)], prompt, tokens),
+        ),
+    ]
+    return events
+
+
+# --------------------------------------------------------------------------- threads
+
+
+class ThreadedUpstream:
+    """A :class:`FakeUpstream` on its own event loop in a daemon thread."""
+
+    def __init__(self, **options: Any) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._options = options
+        self.upstream: FakeUpstream
+
+    @property
+    def url(self) -> str:
+        return self.upstream.url
+
+    @property
+    def requests(self) -> list[Recorded]:
+        return self.upstream.requests
+
+    def call(self, factory: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
+        """Run ``factory()`` on the upstream's loop and wait for its result."""
+
+        async def run() -> T:
+            return await factory()
+
+        future: Future[T] = asyncio.run_coroutine_threadsafe(run(), self.loop)
+        return future.result(timeout)
+
+    def start(self) -> ThreadedUpstream:
+        self._thread.start()
+
+        async def make() -> FakeUpstream:  # Events and locks belong to this loop
+            return await FakeUpstream(**self._options).start()
+
+        self.upstream = self.call(make)
+        return self
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call(self.upstream.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+    def wait_requests(
+        self, count: int, path: str | None = None, timeout: float = 5.0
+    ) -> list[Recorded]:
+        return self.call(lambda: self.upstream.wait_requests(count, path, timeout), timeout + 1)
+
+    def wait_event(self, event: asyncio.Event, timeout: float = 5.0) -> None:
+        """Block until ``event`` (e.g. ``Recorded.disconnected``) is set; raises on timeout."""
+
+        async def waiter() -> None:
+            async with asyncio.timeout(timeout):
+                await event.wait()
+
+        self.call(waiter, timeout + 1)
+
+    def release(self, writes: int = 1) -> None:
+        self.loop.call_soon_threadsafe(self.upstream.release, writes)
+
+
+@contextlib.contextmanager
+def upstream_in_thread(**options: Any) -> Iterator[ThreadedUpstream]:
+    """``with upstream_in_thread(tokens=3) as up: httpx.post(up.url + ...)``"""
+    threaded = ThreadedUpstream(**options).start()
+    try:
+        yield threaded
+    finally:
+        threaded.stop()
