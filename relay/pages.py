@@ -28,7 +28,6 @@ from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
 from relay import runtime, snapshot
-from relay.dispatch import Relay
 
 logger = logging.getLogger("relay.pages")
 
@@ -65,6 +64,17 @@ def home(request: HttpRequest) -> HttpResponse:
     return HttpResponseRedirect("/dashboard" if user.is_active and user.is_staff else "/setup")
 
 
+async def live_workers(rt: runtime.Runtime) -> list[dict[str, Any]]:
+    """Connected workers: of every server process with Redis, else of this one."""
+    if rt.cluster is not None:
+        return await rt.cluster.workers()
+    return snapshot.workers(rt.relay)
+
+
+async def live_snapshot(rt: runtime.Runtime) -> dict[str, Any]:
+    return snapshot.dashboard(rt.relay, workers_list=await live_workers(rt))
+
+
 @staff_member_required
 async def dashboard(request: HttpRequest) -> HttpResponse:
     user = await request.auser()
@@ -72,7 +82,7 @@ async def dashboard(request: HttpRequest) -> HttpResponse:
         # The async view passes the user itself: the template must not load it lazily.
         "user": user,
         "nav": "dashboard",
-        "initial": snapshot.dashboard(runtime.current().relay),
+        "initial": await live_snapshot(runtime.current()),
         "can_act": await user.ahas_perm(DRAIN_PERMISSION),
         "events_url": "/dashboard/events",
         "interval_ms": int(EVENT_INTERVAL_SECS * 1000),
@@ -80,7 +90,7 @@ async def dashboard(request: HttpRequest) -> HttpResponse:
     return render(request, "relay/dashboard.html", context)
 
 
-async def _snapshots(relay: Relay) -> AsyncIterator[str]:
+async def _snapshots(rt: runtime.Runtime) -> AsyncIterator[str]:
     """One ``data:`` event per interval until the client leaves, the server stops or time is up.
 
     Django cancels this generator (CancelledError) when the client disconnects.
@@ -88,9 +98,10 @@ async def _snapshots(relay: Relay) -> AsyncIterator[str]:
     StreamCount.open += 1
     try:
         yield f"retry: {RECONNECT_MS}\n\n"
+        relay = rt.relay
         deadline = relay.loop.time() + STREAM_MAX_SECS
         while not relay.shutting_down and relay.loop.time() < deadline:
-            yield f"data: {json.dumps(snapshot.dashboard(relay))}\n\n"
+            yield f"data: {json.dumps(await live_snapshot(rt))}\n\n"
             await asyncio.sleep(EVENT_INTERVAL_SECS)
     finally:
         StreamCount.open -= 1
@@ -101,7 +112,7 @@ async def events(request: HttpRequest) -> HttpResponseBase:
     if await staff_user(request) is None:
         return forbidden()
     response = StreamingHttpResponse(
-        _snapshots(runtime.current().relay), content_type="text/event-stream"
+        _snapshots(runtime.current()), content_type="text/event-stream"
     )
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
@@ -116,13 +127,18 @@ async def worker_action(request: HttpRequest, worker_id: str, action: str) -> Ht
         return forbidden()
     if not await user.ahas_perm(DRAIN_PERMISSION):
         return forbidden("you may not drain or refresh workers")
-    relay = runtime.current().relay
+    rt = runtime.current()
     if action == "drain":
-        done = relay.drain_worker(worker_id, reason="drained from the dashboard")
+        reason = "drained from the dashboard"
+        done = rt.relay.drain_worker(worker_id, reason=reason)
+        fields: dict[str, Any] = {"timeout": None, "reason": reason}
     elif action == "refresh":
-        done = relay.refresh_models(worker_id, reason="requested from the dashboard")
+        done = rt.relay.refresh_models(worker_id, reason="requested from the dashboard")
+        fields = {}
     else:
         return JsonResponse({"detail": f"unknown action '{action}'"}, status=404)
+    if not done and rt.cluster is not None:  # the worker may be connected to another process
+        done = await rt.cluster.forward(action, worker_id, **fields)
     if not done:
         return JsonResponse({"detail": f"no connected worker '{worker_id}'"}, status=404)
     logger.info("%s: %s by %s", action, worker_id, user.get_username())

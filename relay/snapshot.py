@@ -91,29 +91,30 @@ def recent(relay: Relay, limit: int = 50) -> list[dict[str, Any]]:
     return out
 
 
-def connected_since(relay: Relay, worker: Worker) -> float:
-    """Wall-clock time (epoch seconds) at which ``worker`` connected."""
-    return time.time() - (relay.loop.time() - worker.connected_at)
+def dashboard(
+    relay: Relay, *, workers_list: list[dict[str, Any]] | None = None, recent_limit: int = 25
+) -> dict[str, Any]:
+    """Everything the live dashboard shows, as one JSON-ready snapshot.
 
-
-def dashboard(relay: Relay, *, recent_limit: int = 25) -> dict[str, Any]:
-    """Everything the live dashboard shows, as one JSON-ready snapshot."""
+    ``workers_list`` replaces this process's workers (the cluster-wide list with Redis).
+    """
     rates = timeline.for_relay(relay)
     return {
         "at": time.time(),
         "stats": stats(relay),
-        "workers": workers(relay),
+        "workers": workers(relay) if workers_list is None else workers_list,
         "recent": recent(relay, limit=recent_limit),
         "rate_per_sec": round(rates.rate(), 3),
         "timeline": rates.series(),
     }
 
 
-def provider_workers(relay: Relay, provider: str, *, since: float = 0.0) -> list[dict[str, Any]]:
-    """Workers of ``provider`` that connected at or after wall time ``since``, oldest first."""
+def connected_after(
+    workers_list: list[dict[str, Any]], provider: str, since: float
+) -> list[dict[str, Any]]:
+    """The workers of ``provider`` that connected at or after wall time ``since``, oldest first."""
+    now = time.time()
     found = [
-        (connected_since(relay, w), w)
-        for w in relay.registry.of_provider(provider)
-        if connected_since(relay, w) >= since
+        w for w in workers_list if w["provider"] == provider and now - w["connected_secs"] >= since
     ]
-    return [describe_worker(relay, w) for _, w in sorted(found, key=lambda item: item[0])]
+    return sorted(found, key=lambda w: -w["connected_secs"])
