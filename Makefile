@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench browser clean
+.PHONY: run test lint bench browser nginx clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,13 +22,17 @@ run: $(VENV)/.runtime
 browser:
 	@command -v chromium >/dev/null 2>&1 || scripts/install-chromium.sh
 
+# The deployment tests run Debian's nginx in front of a live relay; install it when missing.
+nginx:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || scripts/install-nginx.sh
+
 # The ORM and end-to-end tests run a second time against PostgreSQL (127.0.0.1:5432,
 # database "test"); without a reachable server that pass is skipped, except in CI.
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 PG_TESTS := tests/test_worker_socket.py tests/test_http_api.py tests/test_keys.py \
 	tests/test_admin_api.py tests/test_commands.py tests/test_live_relay.py tests/test_cluster.py
 
-test: $(VENV)/.dev browser
+test: $(VENV)/.dev browser nginx
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)
 	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_DATABASE=postgres DATABASE_URL=$(PG_URL) \
 		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(PG_TESTS)

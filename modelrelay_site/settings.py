@@ -33,6 +33,21 @@ SECRET_KEY = env_str("DJANGO_SECRET_KEY", "") or persisted_secret(
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
+# HTTPS as seen through the TLS proxy in front (deploy/, docs/DEPLOY.md). Trust
+# X-Forwarded-Proto only when that proxy is yours and sets it (the nginx and Caddy
+# configs in deploy/ do); otherwise any client could claim to be on HTTPS.
+if env_bool("SECURE_PROXY_SSL_HEADER", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+# manage.py commands call the admin JSON API on the loopback address over plain HTTP;
+# public plain-HTTP requests are redirected by nginx/Caddy before they get here.
+SECURE_REDIRECT_EXEMPT = [r"^admin/"]
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", False)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+
 INSTALLED_APPS = [
     "django.contrib.admin",
     "django.contrib.auth",
