@@ -85,7 +85,6 @@ async def dashboard(request: HttpRequest) -> HttpResponse:
         "initial": await live_snapshot(runtime.current()),
         "can_act": await user.ahas_perm(DRAIN_PERMISSION),
         "events_url": "/dashboard/events",
-        "interval_ms": int(EVENT_INTERVAL_SECS * 1000),
     }
     return render(request, "relay/dashboard.html", context)
 

@@ -199,6 +199,8 @@ def _issued(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
         3,
         provider=provider,
         rotated=data["mode"] == "rotate",
+        # serve puts WORKER_SECRET back on its provider at every start.
+        env_secret=bool(settings.WORKER_SECRET) and provider.name == settings.PROVIDER_NAME,
         secret=secret,
         setup=setup,
         platform=data["platform"],

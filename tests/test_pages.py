@@ -64,6 +64,12 @@ def secret_on(page: str) -> str:
     return html.unescape(match.group(1))
 
 
+def attribute(page: str, pattern: str) -> str:
+    match = re.search(pattern, page)
+    assert match, f"{pattern!r} not on the page"
+    return html.unescape(match.group(1))
+
+
 def code_block(page: str, element_id: str) -> str:
     match = re.search(rf'id="{element_id}">(.*?)</pre>', page, re.S)
     assert match, f"no #{element_id} on the page"
@@ -188,7 +194,7 @@ async def test_dashboard_actions_need_the_csrf_token(provider):
     client = AsyncClient(enforce_csrf_checks=True)
     await client.aforce_login(await _user("root", staff=True))
     page = (await client.get("/dashboard")).content.decode()
-    token = re.search(r'<meta name="csrf-token" content="([^"]+)"', page).group(1)
+    token = attribute(page, r'<meta name="csrf-token" content="([^"]+)"')
     async with FakeWorker() as worker:
         ack = await worker.register(["m"])
         url = f"/dashboard/workers/{ack.worker_id}/refresh"
@@ -223,9 +229,10 @@ class OtherProcesses:
         return worker_id == self.remote["id"]
 
 
-async def test_with_redis_the_pages_show_and_reach_workers_of_other_processes(staff):
+async def test_with_redis_the_pages_show_and_reach_workers_of_other_processes(staff, monkeypatch):
     since = time.time() - 5
-    runtime.current().cluster = cluster = OtherProcesses()
+    cluster = OtherProcesses()
+    monkeypatch.setattr(runtime.current(), "cluster", cluster)
     _, data = await first_events(await staff.get("/dashboard/events"), 2)
     assert [w["name"] for w in json.loads(data.removeprefix("data: "))["workers"]] == ["far-box"]
     response = await staff.post("/dashboard/workers/w-remote1/drain")
@@ -366,6 +373,15 @@ async def test_rotating_a_provider_invalidates_its_old_secret(staff):
         assert (await worker.register(["m"])).models == ["m"]
 
 
+async def test_rotating_the_env_configured_provider_warns_that_a_restart_undoes_it(staff, settings):
+    settings.PROVIDER_NAME, settings.WORKER_SECRET = "local", SECRET
+    page = (await staff.post("/setup/worker", ROTATE_LOCAL)).content.decode()
+    assert 'id="env-secret-warning"' in page
+    settings.WORKER_SECRET = ""
+    page = (await staff.post("/setup/worker", ROTATE_LOCAL)).content.decode()
+    assert 'id="env-secret-warning"' not in page
+
+
 async def test_the_secret_form_refuses_bad_and_taken_names(staff):
     from workers_app.models import Provider
 
@@ -454,7 +470,7 @@ async def test_the_status_reports_only_workers_connected_after_the_secret_was_is
     async with FakeWorker() as old:
         await old.register(["stale-model"], name="old-box")
         page = (await staff.post("/setup/worker", ROTATE_LOCAL)).content.decode()
-        status_url = html.unescape(re.search(r'data-status-url="([^"]+)"', page).group(1))
+        status_url = attribute(page, r'data-status-url="([^"]+)"')
         assert status_url.startswith("/setup/status?provider=local&since=")
         body = (await staff.get(status_url)).json()
         assert body == {"provider": "local", "ready": False, "workers": []}
