@@ -24,6 +24,9 @@ CORE = [
     "relay.stats",
     "relay.credentials",
     "relay.cors",
+    "relay.timeline",
+    "relay.recipes",
+    "relay.bundle",
 ]
 
 
