@@ -277,4 +277,4 @@ async def test_unknown_websocket_paths_are_refused(provider):
     comm = WebsocketCommunicator(app(), "/somewhere/else")
     connected, _ = await comm.connect()
     assert connected is False
-    await comm.wait()
+    await comm.disconnect()
