@@ -1,0 +1,406 @@
+"""End to end: a live server (``manage.py serve``), the real ``worker.py`` process and
+the fake upstream, driven by httpx and the official ``openai`` and ``anthropic`` SDKs.
+
+Everything runs on 127.0.0.1. The upstream runs on its own loop in a thread so these
+tests can stay synchronous, like the SDKs they exercise.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.live import ROOT, LiveServer, live_server
+from tests.upstream import ThreadedUpstream, expected_text, upstream_in_thread
+
+pytestmark = pytest.mark.live
+
+MODEL = "mock-model"
+CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
+FAST = [
+    "--backoff-min-secs",
+    "0.05",
+    "--backoff-max-secs",
+    "0.2",
+    "--fatal-retry-secs",
+    "1",
+    "--log-level",
+    "debug",
+]
+
+
+class WorkerProcess:
+    """The real ``worker.py``, its log collected line by line."""
+
+    def __init__(self, server: LiveServer, backend_url: str, *flags: str) -> None:
+        argv = [
+            sys.executable,
+            "worker.py",
+            "--proxy-url",
+            server.url,
+            "--worker-secret",
+            server.secret,
+            "--backend-url",
+            backend_url,
+            "--worker-name",
+            "e2e-box",
+            *FAST,
+            *flags,
+        ]
+        self.process = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+        )
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._pump = threading.Thread(target=self._read, daemon=True)
+        self._pump.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_log(self, needle: str, timeout: float = 10.0) -> None:
+        with self._changed:
+            found = self._changed.wait_for(lambda: needle in self.log, timeout)
+        assert found, f"{needle!r} not in the worker log:\n{self.log}"
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 10.0) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        self._pump.join(5)
+
+
+@contextmanager
+def running_worker(server: LiveServer, backend_url: str, *flags: str) -> Iterator[WorkerProcess]:
+    worker = WorkerProcess(server, backend_url, *flags)
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+def poll(check: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    """Re-check ``check()`` every 20 ms until it is true; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def workers_connected(server: LiveServer) -> int:
+    try:
+        return int(httpx.get(server.url + "/health", timeout=2).json()["workers_connected"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return -1
+
+
+def routable(server: LiveServer, model: str = MODEL) -> bool:
+    models = httpx.get(server.url + "/v1/models", timeout=2).json()["data"]
+    return any(m["id"] == model for m in models)
+
+
+def body_for(path: str, *, stream: bool = False, **mock: Any) -> bytes:
+    document: dict[str, Any] = {"model": MODEL, "stream": stream}
+    if path == MESSAGES:
+        document.update(max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    elif path == CHAT:
+        document["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        document["input"] = "hi"
+    if mock:
+        document["mock"] = mock
+    return json.dumps(document).encode()
+
+
+def direct(up: ThreadedUpstream, path: str, body: bytes) -> httpx.Response:
+    return httpx.post(up.url + path, content=body, timeout=10)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def token_metrics(server: LiveServer) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    counts: dict[str, float] = {}
+    for labels, value in re.findall(r"^modelrelay_tokens_total\{([^}]*)\} (\S+)$", text, re.M):
+        parsed = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if parsed.get("model") == MODEL:
+            counts[parsed["kind"]] = float(value)
+    return counts
+
+
+@dataclass
+class Stack:
+    server: LiveServer
+    upstream: ThreadedUpstream
+    worker: WorkerProcess
+    client: httpx.Client
+
+
+@contextmanager
+def serving(server: LiveServer, upstream: ThreadedUpstream) -> Iterator[Stack]:
+    with (
+        running_worker(server, upstream.url) as worker,
+        httpx.Client(base_url=server.url, timeout=15) as client,
+    ):
+        poll(lambda: routable(server), what="the worker to register")
+        yield Stack(server, upstream, worker, client)
+
+
+@pytest.fixture
+def upstream() -> Iterator[ThreadedUpstream]:
+    with upstream_in_thread(total_slots=4) as up:
+        yield up
+
+
+@pytest.fixture
+def stack(relay_server: LiveServer, upstream: ThreadedUpstream) -> Iterator[Stack]:
+    """Server, worker and upstream of one test, with ``mock-model`` routable."""
+    with serving(relay_server, upstream) as own:
+        yield own
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One stack for the tests that leave it as they found it (saves a server start each)."""
+    with (
+        upstream_in_thread(total_slots=4) as up,
+        live_server(tmp_path_factory.mktemp("e2e") / "server") as server,
+        serving(server, up) as stack,
+    ):
+        yield stack
+
+
+# --------------------------------------------------------------------------- httpx
+
+
+def test_answers_match_the_backend_on_every_endpoint(shared: Stack) -> None:
+    for path in (CHAT, RESPONSES, MESSAGES):
+        body = body_for(path)
+        relayed = shared.client.post(
+            path, content=body, headers={"content-type": "application/json"}
+        )
+        assert relayed.status_code == 200, relayed.text
+        assert relayed.content == direct(shared.upstream, path, body).content
+        assert relayed.headers["x-mock-upstream"] == "1"
+
+        body = body_for(path, stream=True, tokens=30, split_utf8=True)
+        with shared.client.stream("POST", path, content=body) as streamed:
+            assert streamed.status_code == 200
+            assert streamed.headers["content-type"].startswith("text/event-stream")
+            received = b"".join(streamed.iter_raw())
+        assert received == direct(shared.upstream, path, body).content
+
+
+def test_upstream_errors_keep_their_status_and_body(shared: Stack) -> None:
+    for path, stream, status in [(CHAT, False, 400), (CHAT, True, 503), (MESSAGES, True, 429)]:
+        error = {"error": {"message": f"upstream said {status}", "type": "invalid_request_error"}}
+        response = shared.client.post(
+            path, content=body_for(path, stream=stream, status=status, error_body=error)
+        )
+        assert response.status_code == status
+        assert response.json() == error
+
+
+def test_a_client_disconnect_mid_stream_reaches_the_backend(shared: Stack) -> None:
+    before = len(shared.upstream.upstream.requests_to(CHAT))
+    body = body_for(CHAT, stream=True, tokens=500, token_delay=0.02)
+    with shared.client.stream("POST", CHAT, content=body) as streamed:
+        first = next(streamed.iter_raw())
+        assert first.startswith(b"data: ")
+    seen = shared.upstream.wait_requests(before + 1, path=CHAT)[-1]
+    shared.upstream.wait_event(seen.disconnected, timeout=10)
+    assert not seen.finished.is_set()
+    shared.worker.wait_for_log("(client_disconnect)")
+
+
+def test_token_counts_reach_the_relay(shared: Stack) -> None:
+    before = token_metrics(shared.server)
+    chat = body_for(CHAT, tokens=4, prompt_tokens=9)
+    assert shared.client.post(CHAT, content=chat).status_code == 200
+    body = body_for(MESSAGES, stream=True, tokens=3, prompt_tokens=11)
+    with shared.client.stream("POST", MESSAGES, content=body) as streamed:
+        streamed.read()
+    shared.worker.wait_for_log("tokens prompt=9 completion=4 total=13")
+    shared.worker.wait_for_log("tokens prompt=11 completion=3 total=14")
+    expected = {
+        "prompt": before.get("prompt", 0) + 20,
+        "completion": before.get("completion", 0) + 7,
+    }
+    poll(lambda: token_metrics(shared.server) == expected, what="token counters in /metrics")
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def test_sigterm_lets_the_in_flight_request_finish_and_the_worker_exits_0(stack: Stack) -> None:
+    body = body_for(CHAT, stream=True, tokens=25, token_delay=0.02)
+    with stack.client.stream("POST", CHAT, content=body) as streamed:
+        chunks = streamed.iter_raw()
+        received = next(chunks)
+        stack.worker.signal(signal.SIGTERM)
+        received += b"".join(chunks)
+    assert received == direct(stack.upstream, CHAT, body).content
+    assert stack.worker.wait(10) == 0
+    assert "graceful shutdown" in stack.worker.log
+    poll(lambda: workers_connected(stack.server) == 0, what="the worker to leave")
+
+
+def test_the_worker_reregisters_after_the_server_restarts(stack: Stack) -> None:
+    stack.server.kill()
+    # It keeps retrying (with backoff) while nothing listens.
+    stack.worker.wait_for_log("cannot reach the proxy")
+    stack.server.start()
+    poll(lambda: workers_connected(stack.server) == 1, what="the worker to re-register")
+    poll(lambda: routable(stack.server), what="the model to be routable again")
+    response = httpx.post(stack.server.url + CHAT, content=body_for(CHAT), timeout=10)
+    assert response.status_code == 200
+    assert stack.worker.log.count("registered as worker") == 2
+
+
+def test_a_dead_backend_is_a_clean_502_and_the_worker_stays(relay_server: LiveServer) -> None:
+    backend = f"http://127.0.0.1:{closed_port()}"
+    flags = ("--models", MODEL, "--max-concurrent", "2")
+    with running_worker(relay_server, backend, *flags) as worker:
+        poll(lambda: routable(relay_server), what="the worker to register")
+        chat = httpx.post(relay_server.url + CHAT, content=body_for(CHAT), timeout=10)
+        assert chat.status_code == 502
+        assert chat.json()["error"]["type"] == "server_error"
+        messages = httpx.post(
+            relay_server.url + MESSAGES, content=body_for(MESSAGES, stream=True), timeout=10
+        )
+        assert messages.status_code == 502
+        assert messages.json()["type"] == "error"
+        assert messages.json()["error"]["type"] == "api_error"
+        assert workers_connected(relay_server) == 1
+        assert "backend error" in worker.log
+        assert worker.process.poll() is None
+
+
+# --------------------------------------------------------------------------- SDKs
+
+
+def test_the_openai_sdk_works_through_the_relay(shared: Stack) -> None:
+    client = openai.OpenAI(base_url=shared.server.url + "/v1", api_key="sk-test", max_retries=0)
+    messages: Any = [{"role": "user", "content": "hi"}]
+    completion = client.chat.completions.create(model=MODEL, messages=messages)
+    assert completion.choices[0].message.content == expected_text(5)
+    assert completion.usage is not None and completion.usage.total_tokens == 12
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}
+    )
+    parts, usage = [], None
+    for chunk in stream:
+        parts += [c.delta.content or "" for c in chunk.choices]
+        usage = chunk.usage or usage
+    assert "".join(parts) == expected_text(5)
+    assert usage is not None and usage.completion_tokens == 5
+
+    response = client.responses.create(model=MODEL, input="hi")
+    assert response.output_text == expected_text(5)
+    assert response.usage is not None and response.usage.output_tokens == 5
+
+    events = list(client.responses.create(model=MODEL, input="hi", stream=True))
+    assert events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        expected_text(5)
+    )
+
+
+def test_the_anthropic_sdk_works_through_the_relay(shared: Stack) -> None:
+    client = anthropic.Anthropic(base_url=shared.server.url, api_key="sk-ant-test", max_retries=0)
+    messages: Any = [{"role": "user", "content": "hi"}]
+    message = client.messages.create(model=MODEL, max_tokens=64, messages=messages)
+    assert message.content[0].type == "text" and message.content[0].text == expected_text(5)
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (7, 5)
+
+    with client.messages.stream(model=MODEL, max_tokens=64, messages=messages) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == expected_text(5)
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (7, 5)
+
+
+def test_the_sdks_raise_not_found_for_an_unknown_model(shared: Stack) -> None:
+    oa = openai.OpenAI(base_url=shared.server.url + "/v1", api_key="sk-test", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as oa_error:
+        oa.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert "no-such-model" in str(oa_error.value)
+    an = anthropic.Anthropic(base_url=shared.server.url, api_key="sk-ant", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError):
+        an.messages.create(
+            model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "x"}]
+        )
+
+
+def test_the_sdks_raise_rate_limit_errors_when_the_busy_worker_cannot_queue(
+    relay_server_factory: Any, upstream: ThreadedUpstream
+) -> None:
+    with (
+        relay_server_factory(MAX_QUEUE_LEN="0") as server,
+        running_worker(server, upstream.url, "--max-concurrent", "1"),
+    ):
+        poll(lambda: routable(server), what="the worker to register")
+        held: list[httpx.Response] = []
+        blocker = threading.Thread(
+            target=lambda: held.append(
+                httpx.post(server.url + CHAT, content=body_for(CHAT, stepped=True), timeout=30)
+            )
+        )
+        blocker.start()
+        try:
+            upstream.wait_requests(1, path=CHAT)  # the worker's only slot is taken
+            oa = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+            with pytest.raises(openai.RateLimitError):
+                oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+            an = anthropic.Anthropic(base_url=server.url, api_key="sk-ant", max_retries=0)
+            with pytest.raises(anthropic.RateLimitError):
+                an.messages.create(
+                    model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}]
+                )
+        finally:
+            upstream.release()
+            blocker.join(15)
+        assert held and held[0].status_code == 200
