@@ -48,7 +48,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncGenerator, Coroutine, Generator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import quote, urlsplit
@@ -98,30 +98,31 @@ _HOP_BY_HOP_REQUEST = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    """Every setting, built by :func:`parse_config` (defaults live in ``OPTIONS``)."""
+
     proxy_url: str
     worker_secret: str
-    provider: str = "local"
-    worker_name: str = "worker"
-    backend_url: str = "http://127.0.0.1:8000"
-    models: tuple[str, ...] | None = None
-    max_concurrent: int | None = None
-    model_refresh_secs: float = 60.0
-    max_message_bytes: int = 64 * MIB
-    log_level: str = "info"
-    # Tuning knobs (hidden flags): tests shrink them instead of sleeping.
-    backoff_min_secs: float = 1.0
-    backoff_max_secs: float = 30.0
-    fatal_retry_secs: float = 60.0
-    healthy_session_secs: float = 10.0
-    backend_connect_timeout: float = 10.0
-    backend_read_timeout: float | None = 600.0
-    discovery_timeout: float = 5.0
+    provider: str
+    worker_name: str
+    backend_url: str
+    models: tuple[str, ...] | None  # None: discover from the backend
+    max_concurrent: int | None  # None: ask the backend (llama-server /props), else 1
+    model_refresh_secs: float
+    max_message_bytes: int
+    log_level: str
+    backoff_min_secs: float
+    backoff_max_secs: float
+    fatal_retry_secs: float
+    healthy_session_secs: float
+    backend_connect_timeout: float
+    backend_read_timeout: float | None
+    discovery_timeout: float
 
     @property
     def connect_url(self) -> str:
         scheme, rest = self.proxy_url.split("://", 1)
         ws_scheme = {"http": "ws", "https": "wss"}.get(scheme.lower(), scheme.lower())
-        return f"{ws_scheme}://{rest.rstrip('/')}/v1/worker/connect?provider={quote(self.provider)}"
+        return f"{ws_scheme}://{rest}/v1/worker/connect?provider={quote(self.provider)}"
 
 
 def _positive_int(text: str) -> int:
@@ -138,7 +139,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _url(schemes: tuple[str, ...]) -> Any:
+def _url(*schemes: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         parts = urlsplit(text.strip())
         if parts.scheme.lower() not in schemes or not parts.netloc:
@@ -148,125 +149,72 @@ def _url(schemes: tuple[str, ...]) -> Any:
     return check
 
 
-def _model_list(text: str) -> tuple[str, ...]:
+def _models(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
 
 
-def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    def default(name: str, fallback: str | None = None) -> str | None:
-        value = env.get(name)
-        return value if value not in (None, "") else fallback
+def _level(text: str) -> str:
+    if text.lower() not in ("debug", "info", "warning", "error"):
+        raise argparse.ArgumentTypeError("use debug, info, warning or error")
+    return text.lower()
 
-    hidden = argparse.SUPPRESS
-    p = argparse.ArgumentParser(
-        prog="worker.py",
-        description="Connect this GPU box's inference server to a ModelRelay relay. "
-        "Every flag falls back to the environment variable named in its help.",
-    )
-    p.add_argument(
-        "--proxy-url",
-        type=_url(("http", "https", "ws", "wss")),
-        default=default("PROXY_URL", "http://127.0.0.1:8080"),
-        help="relay base URL; http becomes ws, https becomes wss "
-        "(env PROXY_URL, default %(default)s)",
-    )
-    p.add_argument(
-        "--worker-secret",
-        default=default("WORKER_SECRET"),
-        help="the provider's worker secret, sent as the X-Worker-Secret header "
-        "(env WORKER_SECRET, required)",
-    )
-    p.add_argument(
-        "--provider",
-        default=default("PROVIDER_NAME", "local"),
-        help="provider to join (env PROVIDER_NAME, default %(default)s)",
-    )
-    p.add_argument(
-        "--worker-name",
-        default=default("WORKER_NAME", socket.gethostname()),
-        help="name shown in the dashboard and logs (env WORKER_NAME, default: the hostname)",
-    )
-    p.add_argument(
-        "--backend-url",
-        type=_url(("http", "https")),
-        default=default("BACKEND_URL", "http://127.0.0.1:8000"),
-        help="the local OpenAI-compatible server requests are forwarded to "
-        "(env BACKEND_URL, default %(default)s)",
-    )
-    p.add_argument(
-        "--models",
-        type=_model_list,
-        default=default("MODELS"),
-        help="comma-separated models to serve (env MODELS); omitted: discovered from the "
-        "backend's GET /v1/models (or Ollama's /api/tags) and refreshed periodically",
-    )
-    p.add_argument(
-        "--max-concurrent",
-        type=_positive_int,
-        default=default("MAX_CONCURRENT"),
-        help="requests this box runs at once (env MAX_CONCURRENT); omitted: llama-server's "
-        "slot count from GET /props, else 1",
-    )
-    p.add_argument(
-        "--model-refresh-secs",
-        type=_seconds,
-        default=default("MODEL_REFRESH_SECS", "60"),
-        help="how often discovered models are re-read (env MODEL_REFRESH_SECS, "
-        "default %(default)s)",
-    )
-    p.add_argument(
-        "--max-message-bytes",
-        type=_positive_int,
-        default=default("MAX_MESSAGE_BYTES", str(64 * MIB)),
-        help="largest WebSocket message accepted or sent; match the relay's MAX_MESSAGE_BYTES "
-        "(env MAX_MESSAGE_BYTES, default 64 MiB)",
-    )
-    p.add_argument(
-        "--log-level",
-        type=str.lower,
-        choices=("debug", "info", "warning", "error"),
-        default=default("LOG_LEVEL", "info"),
-        help="log verbosity; debug also logs token counts per request "
-        "(env LOG_LEVEL, default %(default)s)",
-    )
-    for flag, name, fallback in (
-        ("--backoff-min-secs", "WORKER_BACKOFF_MIN_SECS", "1"),
-        ("--backoff-max-secs", "WORKER_BACKOFF_MAX_SECS", "30"),
-        ("--fatal-retry-secs", "WORKER_FATAL_RETRY_SECS", "60"),
-        ("--healthy-session-secs", "WORKER_HEALTHY_SESSION_SECS", "10"),
-        ("--backend-connect-timeout", "BACKEND_CONNECT_TIMEOUT_SECS", "10"),
-        ("--backend-read-timeout", "BACKEND_READ_TIMEOUT_SECS", "600"),
-        ("--discovery-timeout", "WORKER_DISCOVERY_TIMEOUT_SECS", "5"),
-    ):
-        p.add_argument(flag, type=_seconds, default=default(name, fallback), help=hidden)
-    return p
+
+#: flag, environment variable, default, parser, help (None: a tuning knob, hidden from
+#: --help; tests shrink these instead of sleeping).
+OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
+    ("--proxy-url", "PROXY_URL", "http://127.0.0.1:8080", _url("http", "https", "ws", "wss"),
+     "relay base URL; http becomes ws, https becomes wss"),
+    ("--worker-secret", "WORKER_SECRET", None, str,
+     "the provider's worker secret, sent as the X-Worker-Secret header; required"),
+    ("--provider", "PROVIDER_NAME", "local", str, "provider (pool) to join"),
+    ("--worker-name", "WORKER_NAME", socket.gethostname(), str,
+     "name shown in the dashboard and logs"),
+    ("--backend-url", "BACKEND_URL", "http://127.0.0.1:8000", _url("http", "https"),
+     "the local OpenAI-compatible server requests are forwarded to"),
+    ("--models", "MODELS", None, _models,
+     "comma-separated models to serve; omitted: discovered from the backend's GET /v1/models "
+     "(or Ollama's /api/tags) and refreshed periodically"),
+    ("--max-concurrent", "MAX_CONCURRENT", None, _positive_int,
+     "requests this box runs at once; omitted: llama-server's slot count (GET /props), else 1"),
+    ("--model-refresh-secs", "MODEL_REFRESH_SECS", "60", _seconds,
+     "how often discovered models are re-read"),
+    ("--max-message-bytes", "MAX_MESSAGE_BYTES", str(64 * MIB), _positive_int,
+     "largest WebSocket message; keep it equal to the relay's MAX_MESSAGE_BYTES"),
+    ("--log-level", "LOG_LEVEL", "info", _level,
+     "debug, info, warning or error; debug adds a line per request with its token counts"),
+    ("--backoff-min-secs", "WORKER_BACKOFF_MIN_SECS", "1", _seconds, None),
+    ("--backoff-max-secs", "WORKER_BACKOFF_MAX_SECS", "30", _seconds, None),
+    ("--fatal-retry-secs", "WORKER_FATAL_RETRY_SECS", "60", _seconds, None),
+    ("--healthy-session-secs", "WORKER_HEALTHY_SESSION_SECS", "10", _seconds, None),
+    ("--backend-connect-timeout", "BACKEND_CONNECT_TIMEOUT_SECS", "10", _seconds, None),
+    ("--backend-read-timeout", "BACKEND_READ_TIMEOUT_SECS", "600", _seconds, None),
+    ("--discovery-timeout", "WORKER_DISCOVERY_TIMEOUT_SECS", "5", _seconds, None),
+]  # fmt: skip
 
 
 def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
     """Flags first, then the environment, then defaults; exits with status 2 on bad input."""
-    parser = build_parser(os.environ if env is None else env)
-    a = parser.parse_args(argv)
-    if not a.worker_secret:
-        parser.error("a worker secret is required: --worker-secret or WORKER_SECRET")
-    return Config(
-        proxy_url=a.proxy_url,
-        worker_secret=a.worker_secret,
-        provider=a.provider,
-        worker_name=a.worker_name,
-        backend_url=a.backend_url,
-        models=a.models or None,
-        max_concurrent=a.max_concurrent,
-        model_refresh_secs=a.model_refresh_secs,
-        max_message_bytes=a.max_message_bytes,
-        log_level=a.log_level,
-        backoff_min_secs=a.backoff_min_secs,
-        backoff_max_secs=a.backoff_max_secs,
-        fatal_retry_secs=a.fatal_retry_secs,
-        healthy_session_secs=a.healthy_session_secs,
-        backend_connect_timeout=a.backend_connect_timeout,
-        backend_read_timeout=a.backend_read_timeout or None,
-        discovery_timeout=a.discovery_timeout,
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(
+        prog="worker.py",
+        description="Connect this GPU box's inference server to a ModelRelay relay. "
+        "Every flag falls back to the environment variable named in its help.",
     )
+    for flag, name, fallback, kind, text in OPTIONS:
+        shown = f"env {name}, default {fallback}" if fallback else f"env {name}"
+        parser.add_argument(
+            flag,
+            type=kind,
+            metavar=name,
+            default=env.get(name) or fallback,  # argparse parses string defaults with ``type``
+            help=argparse.SUPPRESS if text is None else f"{text} ({shown})",
+        )
+    values = vars(parser.parse_args(argv))
+    if not values["worker_secret"]:
+        parser.error("a worker secret is required: --worker-secret or WORKER_SECRET")
+    values["models"] = values["models"] or None
+    values["backend_read_timeout"] = values["backend_read_timeout"] or None
+    return Config(**values)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -458,8 +406,17 @@ class Session:
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self.children.add(task)
-        task.add_done_callback(self.children.discard)
+        task.add_done_callback(self._reap)
         return task
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
+        self.children.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        # A send racing the connection's end is expected; anything else is a bug to see.
+        if exc is not None and not isinstance(exc, ConnectionClosed):
+            log.error("task %s failed", task.get_name(), exc_info=exc)
 
     async def run(self) -> None:
         worker = self.worker
@@ -596,11 +553,11 @@ class Session:
         )
         try:
             complete = await self._exchange(request)
-            frame = encode(complete)
+            frame = encode(complete).encode()
             if len(frame) > self.worker.config.max_message_bytes:
                 complete = self._failure(request, "the backend's response is too large to relay")
-                frame = encode(complete)
-            await self.ws.send(frame)
+                frame = encode(complete).encode()
+            await self.ws.send(frame, text=True)
             log.debug(
                 "completed request %s: status %d in %.3fs, tokens %s",
                 request.request_id,

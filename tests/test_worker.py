@@ -713,6 +713,19 @@ async def test_a_backend_that_stops_answering_times_out_into_a_502(
         await asyncio.wait_for(upstream.requests_to(CHAT)[0].disconnected.wait(), 5)
 
 
+async def test_a_response_too_large_for_one_message_is_a_502(
+    relay: FakeRelay, upstream: FakeUpstream
+) -> None:
+    async with running(config(relay.url, upstream.url, "--max-message-bytes", "4096")):
+        side = await relay.registered()
+        await side.request("r-big", CHAT, mock={"tokens": 1000})
+        complete = await side.complete("r-big")
+        assert complete.status_code == 502
+        assert complete.body is not None and "too large" in complete.body
+        await side.request("r-small", CHAT, mock={"tokens": 2})
+        assert (await side.complete("r-small")).status_code == 200
+
+
 # --------------------------------------------------------------------------- models
 
 
