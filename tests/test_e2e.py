@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ import openai
 import pytest
 
 from tests.live import ROOT, LiveServer, live_server
-from tests.upstream import ThreadedUpstream, expected_text, upstream_in_thread
+from tests.upstream import ThreadedUpstream, expected_text, unused_port, upstream_in_thread
 
 pytestmark = pytest.mark.live
 
@@ -150,12 +149,6 @@ def body_for(path: str, *, stream: bool = False, **mock: Any) -> bytes:
 
 def direct(up: ThreadedUpstream, path: str, body: bytes) -> httpx.Response:
     return httpx.post(up.url + path, content=body, timeout=10)
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def token_metrics(server: LiveServer) -> dict[str, float]:
@@ -298,7 +291,7 @@ def test_the_worker_reregisters_after_the_server_restarts(stack: Stack) -> None:
 
 
 def test_a_dead_backend_is_a_clean_502_and_the_worker_stays(relay_server: LiveServer) -> None:
-    backend = f"http://127.0.0.1:{closed_port()}"
+    backend = f"http://127.0.0.1:{unused_port()}"
     flags = ("--models", MODEL, "--max-concurrent", "2")
     with running_worker(relay_server, backend, *flags) as worker:
         poll(lambda: routable(relay_server), what="the worker to register")

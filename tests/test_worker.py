@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -47,7 +46,7 @@ from relay.protocol import (
     decode_worker_message,
     encode,
 )
-from tests.upstream import FakeUpstream
+from tests.upstream import FakeUpstream, unused_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = "mrw_worker-test-secret"
@@ -290,12 +289,6 @@ async def connected(
     """A registered worker serving ``mock-model`` from the fake upstream."""
     async with running(config(relay.url, upstream.url)):
         yield await relay.registered(), upstream
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def direct(up: FakeUpstream, path: str, body: str) -> bytes:
@@ -548,12 +541,14 @@ async def test_a_non_streaming_request_comes_back_complete_with_tokens(
     assert seen.headers["accept-encoding"] == "identity"
 
 
+@pytest.mark.parametrize("framing", ["chunked", "close"])
 @pytest.mark.parametrize("path", [CHAT, RESPONSES, MESSAGES])
 async def test_streamed_chunks_arrive_in_order_and_byte_exact(
-    connected: tuple[RelaySide, FakeUpstream], path: str
+    connected: tuple[RelaySide, FakeUpstream], path: str, framing: str
 ) -> None:
     side, up = connected
-    body = await side.request("r-s", path, stream=True, mock={"split_utf8": True, "tokens": 20})
+    mock = {"split_utf8": True, "tokens": 20, "framing": framing}
+    body = await side.request("r-s", path, stream=True, mock=mock)
     complete = await side.complete("r-s")
     assert complete.status_code == 200
     assert complete.body is None
@@ -673,7 +668,7 @@ async def test_an_unreachable_backend_is_a_502_and_the_connection_stays_up(
     relay: FakeRelay, caplog: pytest.LogCaptureFixture, path: str, envelope: Callable[[Any], Any]
 ) -> None:
     caplog.set_level(logging.WARNING, logger="modelrelay.worker")
-    backend = f"http://127.0.0.1:{closed_port()}"
+    backend = f"http://127.0.0.1:{unused_port()}"
     async with running(config(relay.url, backend, "--models", "m", "--max-concurrent", "2")):
         side = await relay.registered()
         await side.request("r-1", path)
@@ -891,7 +886,7 @@ async def test_a_second_sigterm_exits_at_once(relay: FakeRelay, upstream: FakeUp
 
 
 async def test_sigterm_while_not_connected_exits_0(upstream: FakeUpstream) -> None:
-    argv = config_argv(f"http://127.0.0.1:{closed_port()}", upstream.url)
+    argv = config_argv(f"http://127.0.0.1:{unused_port()}", upstream.url)
     async with worker_process(*argv) as proc:
         await proc.wait_log("cannot reach the proxy", timeout=15)
         proc.proc.send_signal(signal.SIGTERM)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future
@@ -103,6 +104,13 @@ class Recorded:
         return msgspec.json.decode(self.body)
 
 
+def unused_port() -> int:
+    """A loopback port nothing listens on (a backend that is down)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def token_text(index: int) -> str:
     return f" t{index}{EURO}"
 
@@ -127,6 +135,7 @@ class FakeUpstream:
         prompt_tokens: int = 7,
         first_byte_delay: float = 0.0,
         token_delay: float = 0.0,
+        tokens_per_sec: float | None = None,
         framing: Framing = "chunked",
         record: bool = True,
     ) -> None:
@@ -140,7 +149,8 @@ class FakeUpstream:
         self.tokens = tokens
         self.prompt_tokens = prompt_tokens
         self.first_byte_delay = first_byte_delay
-        self.token_delay = token_delay
+        #: Seconds between two token events (``tokens_per_sec`` sets it as a rate).
+        self.token_delay = 1 / tokens_per_sec if tokens_per_sec else token_delay
         self.framing: Framing = framing
         self.record = record
         self.requests: list[Recorded] = []
