@@ -914,6 +914,7 @@ def configure_logging(level: str) -> None:
     )
     # Frame-by-frame and per-request lines from the libraries drown the worker's own.
     logging.getLogger("websockets").setLevel(max(logging.INFO, log.getEffectiveLevel()))
+    logging.getLogger("asyncio").setLevel(logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
 

@@ -290,6 +290,30 @@ def test_the_worker_reregisters_after_the_server_restarts(stack: Stack) -> None:
     assert stack.worker.log.count("registered as worker") == 2
 
 
+def test_an_operator_drain_lets_the_request_finish_and_the_worker_exits_0(
+    relay_server_factory: Any, upstream: ThreadedUpstream
+) -> None:
+    admin = {"authorization": "Bearer admin-token"}
+    with (
+        relay_server_factory(MODELRELAY_ADMIN_TOKEN="admin-token") as server,
+        running_worker(server, upstream.url) as worker,
+        httpx.Client(base_url=server.url, timeout=15) as client,
+    ):
+        poll(lambda: routable(server), what="the worker to register")
+        (listed,) = client.get("/admin/workers", headers=admin).json()
+        body = body_for(CHAT, stream=True, tokens=25, token_delay=0.02)
+        with client.stream("POST", CHAT, content=body) as streamed:
+            chunks = streamed.iter_raw()
+            received = next(chunks)
+            drain = client.post(f"/admin/workers/{listed['id']}/drain", headers=admin, json={})
+            assert drain.status_code == 202
+            received += b"".join(chunks)
+        assert received == direct(upstream, CHAT, body).content
+        assert worker.wait(10) == 0
+        assert "graceful shutdown requested by the proxy" in worker.log
+        assert worker.log.count("connected to proxy") == 1  # it did not come back
+
+
 def test_a_dead_backend_is_a_clean_502_and_the_worker_stays(relay_server: LiveServer) -> None:
     backend = f"http://127.0.0.1:{unused_port()}"
     flags = ("--models", MODEL, "--max-concurrent", "2")
