@@ -33,6 +33,7 @@ class LiveServer:
     process: subprocess.Popen[str] | None = None
     output: list[str] = field(default_factory=list)
     _ready: threading.Event = field(default_factory=threading.Event)
+    _reader: threading.Thread | None = None
     port: int = 0
 
     @property
@@ -49,6 +50,10 @@ class LiveServer:
 
     def start(self, timeout: float = 60.0) -> None:
         listen = f"127.0.0.1:{self.port}"
+        if self._reader is not None:
+            # The previous process's reader ends by setting _ready; let it finish first
+            # so it cannot wake this start() before the new server listens.
+            self._reader.join(timeout=10)
         self._ready.clear()
         self.process = subprocess.Popen(
             [sys.executable, "manage.py", "serve", "--listen", listen],
@@ -59,7 +64,8 @@ class LiveServer:
             text=True,
             bufsize=1,
         )
-        threading.Thread(target=self._pump, args=(self.process,), daemon=True).start()
+        self._reader = threading.Thread(target=self._pump, args=(self.process,), daemon=True)
+        self._reader.start()
         if not self._ready.wait(timeout):
             self.stop()
             raise RuntimeError("server did not start:\n" + self.log())
