@@ -209,6 +209,9 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {
         "daphne": {"level": "WARNING"},
+        # One line per admin-API call would drown the output of manage.py commands.
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
         "django.channels.server": {"level": "WARNING"},
     },
 }
