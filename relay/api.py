@@ -96,10 +96,7 @@ class Accepted(Schema):
 
 @api.get("/workers")
 async def list_workers(request: HttpRequest) -> list[dict[str, Any]]:
-    rt = runtime.current()
-    if rt.cluster is not None:
-        return await rt.cluster.workers()
-    return snapshot.workers(rt.relay)
+    return await runtime.current().workers()
 
 
 @api.get("/stats")
@@ -118,22 +115,15 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
 async def drain(request: HttpRequest, worker_id: str, payload: DrainIn | None = None) -> Any:
     payload = payload or DrainIn()
     rt = runtime.current()
-    if not rt.relay.drain_worker(worker_id, timeout=payload.timeout_secs, reason=payload.reason):
-        forwarded = rt.cluster is not None and await rt.cluster.forward(
-            "drain", worker_id, timeout=payload.timeout_secs, reason=payload.reason
-        )
-        if not forwarded:
-            raise HttpError(404, f"no connected worker with id '{worker_id}'")
+    if not await rt.drain(worker_id, drain_secs=payload.timeout_secs, reason=payload.reason):
+        raise HttpError(404, f"no connected worker with id '{worker_id}'")
     return Status(202, {"id": worker_id, "status": "draining"})
 
 
 @api.post("/workers/{worker_id}/refresh", response={202: Accepted})
 async def refresh(request: HttpRequest, worker_id: str) -> Any:
-    rt = runtime.current()
-    if not rt.relay.refresh_models(worker_id):
-        forwarded = rt.cluster is not None and await rt.cluster.forward("refresh", worker_id)
-        if not forwarded:
-            raise HttpError(404, f"no connected worker with id '{worker_id}'")
+    if not await runtime.current().refresh(worker_id, reason="operator"):
+        raise HttpError(404, f"no connected worker with id '{worker_id}'")
     return Status(202, {"id": worker_id, "status": "refresh requested"})
 
 

@@ -88,7 +88,9 @@ class Cluster:
                     reason=message.get("reason") or "maintenance",
                 )
             case "relay.refresh":
-                relay.refresh_models(message["worker_id"], reason="operator")
+                relay.refresh_models(
+                    message["worker_id"], reason=message.get("reason") or "operator"
+                )
 
     async def _publish(self) -> None:
         while True:

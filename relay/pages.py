@@ -64,15 +64,8 @@ def home(request: HttpRequest) -> HttpResponse:
     return HttpResponseRedirect("/dashboard" if user.is_active and user.is_staff else "/setup")
 
 
-async def live_workers(rt: runtime.Runtime) -> list[dict[str, Any]]:
-    """Connected workers: of every server process with Redis, else of this one."""
-    if rt.cluster is not None:
-        return await rt.cluster.workers()
-    return snapshot.workers(rt.relay)
-
-
 async def live_snapshot(rt: runtime.Runtime) -> dict[str, Any]:
-    return snapshot.dashboard(rt.relay, workers_list=await live_workers(rt))
+    return snapshot.dashboard(rt.relay, workers_list=await rt.workers())
 
 
 @staff_member_required
@@ -128,16 +121,11 @@ async def worker_action(request: HttpRequest, worker_id: str, action: str) -> Ht
         return forbidden("you may not drain or refresh workers")
     rt = runtime.current()
     if action == "drain":
-        reason = "drained from the dashboard"
-        done = rt.relay.drain_worker(worker_id, reason=reason)
-        fields: dict[str, Any] = {"timeout": None, "reason": reason}
+        done = await rt.drain(worker_id, reason="drained from the dashboard")
     elif action == "refresh":
-        done = rt.relay.refresh_models(worker_id, reason="requested from the dashboard")
-        fields = {}
+        done = await rt.refresh(worker_id, reason="requested from the dashboard")
     else:
         return JsonResponse({"detail": f"unknown action '{action}'"}, status=404)
-    if not done and rt.cluster is not None:  # the worker may be connected to another process
-        done = await rt.cluster.forward(action, worker_id, **fields)
     if not done:
         return JsonResponse({"detail": f"no connected worker '{worker_id}'"}, status=404)
     logger.info("%s: %s by %s", action, worker_id, user.get_username())

@@ -15,6 +15,7 @@ import secrets
 
 from django.conf import settings
 
+from relay import snapshot
 from relay.bookkeeper import Bookkeeper, in_thread
 from relay.cluster import GROUP, Cluster
 from relay.config import RelayConfig
@@ -99,6 +100,28 @@ class Runtime:
         if not self.require_keys:
             return None, frozenset()
         return self.keys.authenticate(headers, flavor)
+
+    async def workers(self) -> list[dict[str, object]]:
+        """Connected workers: of every server process with Redis, else of this one."""
+        if self.cluster is not None:
+            return await self.cluster.workers()
+        return snapshot.workers(self.relay)
+
+    async def drain(self, worker_id: str, *, drain_secs: float | None = None, reason: str) -> bool:
+        """Drain a worker connected here or, with Redis, to another process."""
+        if self.relay.drain_worker(worker_id, timeout=drain_secs, reason=reason):
+            return True
+        return self.cluster is not None and await self.cluster.forward(
+            "drain", worker_id, timeout=drain_secs, reason=reason
+        )
+
+    async def refresh(self, worker_id: str, *, reason: str) -> bool:
+        """Ask a worker connected here or, with Redis, to another process for its models."""
+        if self.relay.refresh_models(worker_id, reason=reason):
+            return True
+        return self.cluster is not None and await self.cluster.forward(
+            "refresh", worker_id, reason=reason
+        )
 
     async def ready(self) -> None:
         """Wait (briefly, once) for the first provider load."""

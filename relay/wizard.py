@@ -27,7 +27,7 @@ from django.shortcuts import render
 from django.views.decorators.cache import never_cache
 
 from relay import bundle, recipes, runtime, snapshot
-from relay.pages import forbidden, live_workers, staff_user
+from relay.pages import forbidden, staff_user
 from workers_app.models import Provider, split_models, validate_provider_name
 
 STEPS = ("Platform & backend", "Start the backend", "Run the worker", "Confirm")
@@ -220,7 +220,7 @@ async def status(request: HttpRequest) -> HttpResponse:
         since = float(request.GET.get("since", "0"))
     except ValueError:
         return JsonResponse({"detail": "'since' must be a number (epoch seconds)"}, status=400)
-    workers = snapshot.connected_after(await live_workers(runtime.current()), name, since)
+    workers = snapshot.connected_after(await runtime.current().workers(), name, since)
     body: dict[str, Any] = {"provider": name, "ready": bool(workers), "workers": workers}
     if workers:
         model = next((m for w in workers for m in w["models"]), "")

@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
-from relay import runtime, snapshot
+from relay import runtime
 from workers_app.models import ConnectedWorker, Provider, RequestLog, WorkerSession
 
 
@@ -25,6 +25,19 @@ def _show_secret_once(request: HttpRequest, provider: Provider, secret: str) -> 
             secret,
         ),
     )
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Audit records: viewable, never edited."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
 
 
 @admin.register(Provider)
@@ -87,7 +100,7 @@ class ProviderAdmin(admin.ModelAdmin):
 
 
 @admin.register(WorkerSession)
-class WorkerSessionAdmin(admin.ModelAdmin):
+class WorkerSessionAdmin(ReadOnlyAdmin):
     list_display = (
         "worker_name",
         "provider_name",
@@ -101,26 +114,6 @@ class WorkerSessionAdmin(admin.ModelAdmin):
     list_filter = ("provider_name", "disconnected_at")
     search_fields = ("worker_name", "worker_id", "peer_address")
     date_hierarchy = "connected_at"
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(RequestLog)
@@ -149,28 +142,19 @@ class RequestLogAdmin(ReadOnlyAdmin):
 
 
 async def _live_workers() -> list[dict[str, Any]]:
-    return snapshot.workers(runtime.current().relay)
+    return await runtime.current().workers()
 
 
 async def _act(action: str, worker_id: str) -> bool:
-    relay = runtime.current().relay
+    rt = runtime.current()
     if action == "drain":
-        return relay.drain_worker(worker_id, reason="drained from the admin")
-    return relay.refresh_models(worker_id, reason="requested from the admin")
+        return await rt.drain(worker_id, reason="drained from the admin")
+    return await rt.refresh(worker_id, reason="requested from the admin")
 
 
 @admin.register(ConnectedWorker)
-class ConnectedWorkerAdmin(admin.ModelAdmin):
-    """The live registry of this server process, with drain and refresh buttons."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
+class ConnectedWorkerAdmin(ReadOnlyAdmin):
+    """The live worker registry (of every process, with Redis), with drain and refresh."""
 
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
