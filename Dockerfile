@@ -25,7 +25,7 @@ COPY requirements-worker.txt /tmp/requirements-worker.txt
 RUN /opt/venv/bin/pip install -r /tmp/requirements-worker.txt
 
 # --- worker: `docker build --target worker` ----------------------------------------------------
-# Only worker.py and the Django-free relay modules it imports (tests/test_deploy.py checks
+# Only worker.py and the Django-free relay modules it imports (tests/test_deploy_files.py checks
 # that this list covers them). Configure it with PROXY_URL, WORKER_SECRET, BACKEND_URL, MODELS...
 # (deploy/worker.env.example). It has no port; SIGTERM drains within REQUEST_TIMEOUT_SECS.
 FROM ${PYTHON_IMAGE} AS worker
@@ -35,7 +35,8 @@ RUN useradd --system --user-group --uid 10001 --no-create-home \
 COPY --from=worker-deps /opt/venv /opt/venv
 WORKDIR /app
 COPY requirements-worker.txt worker.py ./
-COPY relay/__init__.py relay/errors.py relay/headers.py relay/protocol.py relay/sse.py ./relay/
+COPY relay/__init__.py relay/backend.py relay/errors.py relay/headers.py relay/protocol.py \
+     relay/session.py relay/sse.py relay/usage.py relay/workerconfig.py ./relay/
 USER modelrelay:modelrelay
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["python", "worker.py"]

@@ -134,15 +134,18 @@ def worker_bundle() -> Bundle:
 def worker_requirements() -> list[str]:
     """The ``name==version`` pins to install for the worker, from requirements-worker.txt.
 
-    Only the packages ``worker.py`` imports directly (their own dependencies come
-    along); every pin when none of them can be matched.
+    Only the packages the bundled files (``worker.py`` and its relay modules) import
+    directly (their own dependencies come along); every pin when none of them can be
+    matched.
     """
     pins: list[tuple[str, str]] = []
     for line in REQUIREMENTS.read_text(encoding="utf-8").splitlines():
         match = _PIN.match(line)
         if match:
             pins.append((match.group(1), match.group(2)))
-    _, imported = _imports(WORKER.read_text(encoding="utf-8"), str(WORKER))
+    imported: set[str] = set()
+    for path in sources().values():
+        imported |= _imports(path.read_text(encoding="utf-8"), str(path))[1]
     normal = {name.lower().replace("_", "-") for name in imported}
     direct = [(n, v) for n, v in pins if n.lower().replace("_", "-") in normal]
     return [f"{n}=={v}" for n, v in (direct or pins)]

@@ -224,3 +224,10 @@ def error_response(err: RelayError, flavor: Flavor) -> tuple[int, list[tuple[byt
     if err.retry_after is not None:
         headers.append((b"retry-after", str(err.retry_after).encode()))
     return err.status, headers, body
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` naming any exception in one log line (the worker's backend and
+    connection errors); just the type when the message is empty."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -27,6 +27,10 @@ CORE = [
     "relay.timeline",
     "relay.recipes",
     "relay.bundle",
+    "relay.workerconfig",
+    "relay.usage",
+    "relay.backend",
+    "relay.session",
 ]
 
 

@@ -46,6 +46,7 @@ from relay.protocol import (
     decode_worker_message,
     encode,
 )
+from relay.workerconfig import Config, parse_config
 from tests.upstream import FakeUpstream, unused_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,7 +243,7 @@ class FakeRelay:
 # --------------------------------------------------------------------------- helpers
 
 
-def config(relay_url: str, backend_url: str, *flags: str, **env: str) -> worker.Config:
+def config(relay_url: str, backend_url: str, *flags: str, **env: str) -> Config:
     argv = [
         "--proxy-url",
         relay_url,
@@ -255,11 +256,11 @@ def config(relay_url: str, backend_url: str, *flags: str, **env: str) -> worker.
         *FAST,
         *flags,
     ]
-    return worker.parse_config(argv, env)
+    return parse_config(argv, env)
 
 
 @contextlib.asynccontextmanager
-async def running(cfg: worker.Config) -> AsyncIterator[asyncio.Task[int]]:
+async def running(cfg: Config) -> AsyncIterator[asyncio.Task[int]]:
     """Run a worker in this event loop; always cancelled and awaited at the end."""
     instance = worker.Worker(cfg)
     task = asyncio.create_task(instance.run())
@@ -402,32 +403,6 @@ def test_help_explains_every_flag_and_its_env_variable() -> None:
     assert "--backoff-min-secs" not in text  # tuning knobs stay out of the help
 
 
-def test_settings_come_from_flags_then_environment() -> None:
-    env = {
-        "PROXY_URL": "https://relay.example.com/base/",
-        "WORKER_SECRET": "from-env",
-        "PROVIDER_NAME": "gpu pool",
-        "MODELS": " a, b,,a ",
-        "MAX_CONCURRENT": "3",
-    }
-    cfg = worker.parse_config([], env)
-    assert cfg.connect_url == "wss://relay.example.com/base/v1/worker/connect?provider=gpu%20pool"
-    assert cfg.worker_secret == "from-env"
-    assert cfg.models == ("a", "b")
-    assert cfg.max_concurrent == 3
-    flagged = worker.parse_config(["--worker-secret", "flag", "--max-concurrent", "5"], env)
-    assert (flagged.worker_secret, flagged.max_concurrent) == ("flag", 5)
-    assert worker.parse_config([], {"WORKER_SECRET": "s"}).connect_url == (
-        "ws://127.0.0.1:8080/v1/worker/connect?provider=local"
-    )
-    assert worker.parse_config([], {"WORKER_SECRET": "s"}).models is None
-    with pytest.raises(SystemExit) as missing:
-        worker.parse_config([], {})
-    assert missing.value.code == 2
-    with pytest.raises(SystemExit):
-        worker.parse_config(["--max-concurrent", "0"], {"WORKER_SECRET": "s"})
-
-
 def test_backoff_doubles_to_its_cap_with_bounded_jitter_and_resets() -> None:
     backoff = worker.Backoff(1.0, 30.0)
     delays = [backoff.next() for _ in range(8)]
@@ -435,33 +410,6 @@ def test_backoff_doubles_to_its_cap_with_bounded_jitter_and_resets() -> None:
         assert base <= delay <= base * 1.25
     backoff.reset()
     assert backoff.next() <= 1.25
-
-
-def test_usage_is_found_in_every_api_shape_however_the_stream_is_cut() -> None:
-    stream = (
-        b'data: {"choices":[{"delta":{"content":"usage"}}],"usage":null}\n\n'
-        b"event: message_start\n"
-        b'data: {"type":"message_start",'
-        b'"message":{"usage":{"input_tokens":9,"output_tokens":1}}}\n\n'
-        b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":4}}\n\n'
-    )
-    for size in (1, 2, 7, len(stream)):
-        scanner = worker.UsageScanner()
-        for start in range(0, len(stream), size):
-            scanner.feed(stream[start : start + size])
-        scanner.finish()
-        assert scanner.counts() == TokenCounts(9, 4, 13), size
-    responses = worker.UsageScanner()
-    responses.feed(b'data: {"type":"response.completed","response":{"usage":')
-    responses.feed(b'{"input_tokens":3,"output_tokens":2,"total_tokens":6}}}')  # no final newline
-    responses.finish()
-    assert responses.counts() == TokenCounts(3, 2, 6)
-    plain = worker.UsageScanner()
-    plain.feed_document(
-        b'{"usage": {"prompt_tokens": 1, "completion_tokens": 2}}', "application/json"
-    )
-    assert plain.counts() == TokenCounts(1, 2, 3)
-    assert worker.UsageScanner().counts() is None
 
 
 # --------------------------------------------------------------------------- registration

@@ -1,0 +1,140 @@
+"""The worker's settings: one option table, read from flags, then the environment.
+
+``worker.py`` calls :func:`parse_config` once at start-up and hands the frozen
+:class:`Config` to everything else; imports nothing from Django. Every flag and its
+environment variable are documented in ``docs/WORKER.md`` and
+``deploy/worker.env.example``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Every setting, built by :func:`parse_config` (defaults live in ``OPTIONS``)."""
+
+    proxy_url: str
+    worker_secret: str
+    provider: str
+    worker_name: str
+    backend_url: str
+    models: tuple[str, ...] | None  # None: discover from the backend
+    max_concurrent: int | None  # None: ask the backend (llama-server /props), else 1
+    model_refresh_secs: float
+    max_message_bytes: int
+    log_level: str
+    backoff_min_secs: float
+    backoff_max_secs: float
+    fatal_retry_secs: float
+    healthy_session_secs: float
+    backend_connect_timeout: float
+    backend_read_timeout: float | None
+    discovery_timeout: float
+
+    @property
+    def connect_url(self) -> str:
+        scheme, rest = self.proxy_url.split("://", 1)
+        ws_scheme = {"http": "ws", "https": "wss"}.get(scheme.lower(), scheme.lower())
+        return f"{ws_scheme}://{rest}/v1/worker/connect?provider={quote(self.provider)}"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _url(*schemes: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        parts = urlsplit(text.strip())
+        if parts.scheme.lower() not in schemes or not parts.netloc:
+            raise argparse.ArgumentTypeError(f"expected a {'/'.join(schemes)} URL, got {text!r}")
+        return text.strip().rstrip("/")
+
+    return check
+
+
+def _models(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+
+
+def _level(text: str) -> str:
+    if text.lower() not in ("debug", "info", "warning", "error"):
+        raise argparse.ArgumentTypeError("use debug, info, warning or error")
+    return text.lower()
+
+
+#: flag, environment variable, default, parser, help (None: a tuning knob, hidden from
+#: --help; tests shrink these instead of sleeping).
+OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
+    ("--proxy-url", "PROXY_URL", "http://127.0.0.1:8080", _url("http", "https", "ws", "wss"),
+     "relay base URL; http becomes ws, https becomes wss"),
+    ("--worker-secret", "WORKER_SECRET", None, str,
+     "the provider's worker secret, sent as the X-Worker-Secret header; required"),
+    ("--provider", "PROVIDER_NAME", "local", str, "provider (pool) to join"),
+    ("--worker-name", "WORKER_NAME", socket.gethostname(), str,
+     "name shown in the dashboard and logs"),
+    ("--backend-url", "BACKEND_URL", "http://127.0.0.1:8000", _url("http", "https"),
+     "the local OpenAI-compatible server requests are forwarded to"),
+    ("--models", "MODELS", None, _models,
+     "comma-separated models to serve; omitted: discovered from the backend's GET /v1/models "
+     "(or Ollama's /api/tags) and refreshed periodically"),
+    ("--max-concurrent", "MAX_CONCURRENT", None, _positive_int,
+     "requests this box runs at once; omitted: llama-server's slot count (GET /props), else 1"),
+    ("--model-refresh-secs", "MODEL_REFRESH_SECS", "60", _seconds,
+     "how often discovered models are re-read"),
+    ("--max-message-bytes", "MAX_MESSAGE_BYTES", str(64 * MIB), _positive_int,
+     "largest WebSocket message; keep it equal to the relay's MAX_MESSAGE_BYTES"),
+    ("--log-level", "LOG_LEVEL", "info", _level,
+     "debug, info, warning or error; debug adds a line per request with its token counts"),
+    ("--backoff-min-secs", "WORKER_BACKOFF_MIN_SECS", "1", _seconds, None),
+    ("--backoff-max-secs", "WORKER_BACKOFF_MAX_SECS", "30", _seconds, None),
+    ("--fatal-retry-secs", "WORKER_FATAL_RETRY_SECS", "60", _seconds, None),
+    ("--healthy-session-secs", "WORKER_HEALTHY_SESSION_SECS", "10", _seconds, None),
+    ("--backend-connect-timeout", "BACKEND_CONNECT_TIMEOUT_SECS", "10", _seconds, None),
+    ("--backend-read-timeout", "BACKEND_READ_TIMEOUT_SECS", "600", _seconds, None),
+    ("--discovery-timeout", "WORKER_DISCOVERY_TIMEOUT_SECS", "5", _seconds, None),
+]  # fmt: skip
+
+
+def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Flags first, then the environment, then defaults; exits with status 2 on bad input."""
+    env = os.environ if env is None else env
+    parser = argparse.ArgumentParser(
+        prog="worker.py",
+        description="Connect this GPU box's inference server to a ModelRelay relay. "
+        "Every flag falls back to the environment variable named in its help.",
+    )
+    for flag, name, fallback, kind, text in OPTIONS:
+        shown = f"env {name}, default {fallback}" if fallback else f"env {name}"
+        parser.add_argument(
+            flag,
+            type=kind,
+            metavar=name,
+            default=env.get(name) or fallback,  # argparse parses string defaults with ``type``
+            help=argparse.SUPPRESS if text is None else f"{text} ({shown})",
+        )
+    values = vars(parser.parse_args(argv))
+    if not values["worker_secret"]:
+        parser.error("a worker secret is required: --worker-secret or WORKER_SECRET")
+    values["models"] = values["models"] or None
+    values["backend_read_timeout"] = values["backend_read_timeout"] or None
+    return Config(**values)
