@@ -194,7 +194,7 @@ async def test_the_request_log_writer_survives_database_errors(admin, monkeypatc
     from workers_app.models import RequestLog
 
     real = bookkeeper.write_request_log
-    failures = []
+    failures: list[int] = []
 
     def flaky(batch):
         if not failures:

@@ -53,6 +53,7 @@ async def test_it_round_robins_between_equally_loaded_workers():
     links = [attach(relay, max_concurrent=10, name=f"w{i}")[1] for i in range(3)]
     for _ in range(3):
         request = submit(relay)
+        assert request.worker is not None
         complete(relay, request.worker, request.id)  # back to equal load each time
     assert [len(link.requests) for link in links] == [1, 1, 1]
 

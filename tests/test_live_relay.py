@@ -30,7 +30,9 @@ async def register(ws, models=("m",), max_concurrent=1) -> protocol.RegisterAck:
     await ws.send(
         protocol.encode(
             protocol.Register(
-                worker_name="raw", models=list(models), max_concurrent=max_concurrent,
+                worker_name="raw",
+                models=list(models),
+                max_concurrent=max_concurrent,
                 protocol_version="1",
             )
         )

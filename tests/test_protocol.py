@@ -7,7 +7,7 @@ import pytest
 from relay import protocol
 from relay.errors import ProtocolError
 
-SERVER_MESSAGES = [
+SERVER_MESSAGES: list[protocol.ServerMessage] = [
     protocol.RegisterAck(worker_id="w-1", models=["m"], warnings=["x"]),
     protocol.Request(
         request_id="r-1",
@@ -23,7 +23,7 @@ SERVER_MESSAGES = [
     protocol.ModelsRefresh(reason="periodic"),
 ]
 
-WORKER_MESSAGES = [
+WORKER_MESSAGES: list[protocol.WorkerMessage] = [
     protocol.Register(worker_name="gpu-1", models=["m"], max_concurrent=4, protocol_version="1"),
     protocol.ModelsUpdate(models=["m", "n"], current_load=1),
     protocol.ResponseChunk(request_id="r-1", chunk="data: {}\n\n"),
