@@ -109,18 +109,22 @@ class Command(BaseCommand):
             f"  Dashboard: {public}/dashboard   Setup wizard: {public}/setup",
             f"  Admin: {public}/django-admin/",
             "",
-            f"Run a worker on each GPU box (provider '{boot.provider.name}'):",
+            f"Run a worker on each GPU box, next to its model server (provider "
+            f"'{boot.provider.name}'):",
         ]
         if boot.secret is not None:
-            lines.append(
-                "  " + worker_command(public, boot.provider.name, boot.secret) + " --models <model>"
-            )
+            lines.append("  " + worker_command(public, boot.provider.name, boot.secret))
             lines.append(f"  (worker secret from {boot.source})")
         else:
             lines.append(
                 "  the provider's secret was rotated in the admin; use that secret with "
                 + worker_command(public, boot.provider.name, "<secret>")
             )
+        lines.append(
+            "  Models and slots are discovered from the backend (or pass --models). The setup "
+            f"wizard shows the install command;\n  the worker is also served as one file at "
+            f"{public}/setup/worker.pyz"
+        )
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
 
