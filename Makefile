@@ -43,7 +43,7 @@ lint: $(VENV)/.dev
 	DATA_DIR=$(CURDIR)/.test-data $(VENV)/bin/mypy .
 
 bench: $(VENV)/.dev
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .test-data .pytest_cache .mypy_cache .ruff_cache

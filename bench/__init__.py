@@ -1,0 +1,1 @@
+"""ModelRelay benchmark harness (``make bench``); see ``bench/README.md``."""

@@ -1,0 +1,405 @@
+"""An asyncio HTTP/1.1 keep-alive load generator (no HTTP library: httpx cannot saturate).
+
+One :class:`Connection` per simulated client, one request at a time on it (no
+pipelining). Responses framed by ``content-length``, ``transfer-encoding: chunked`` or
+connection close are read; timing uses ``time.monotonic_ns`` (``CLOCK_MONOTONIC``, the
+clock ``bench/upstream.py`` stamps its tokens with).
+
+Scenarios:
+
+- :func:`closed_loop`: ``connections`` clients each sending back to back for a duration;
+- :func:`sequential`: one client, one request in flight;
+- :func:`streams`: ``count`` concurrent streaming requests whose token chunks are timed
+  and checked (every token, in order, then ``data: [DONE]``);
+- :func:`hold`: open many requests and keep them waiting (the queue scenario).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+_TOKEN = re.compile(rb" t(\d+)@(\d+)")
+
+
+def chat_request(host: str, port: int, *, stream: bool, max_tokens: int | None = None) -> bytes:
+    body = b'{"model":"bench-model","messages":[{"role":"user","content":"Say hi"}]'
+    if stream:
+        body += b',"stream":true'
+    if max_tokens is not None:
+        body += b',"max_tokens":%d' % max_tokens
+    body += b"}"
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: %s:%d\r\n"
+        b"content-type: application/json\r\nauthorization: Bearer sk-bench\r\n"
+        b"content-length: %d\r\n\r\n%s" % (host.encode(), port, len(body), body)
+    )
+
+
+@dataclass
+class Response:
+    status: int = 0
+    headers: bytes = b""
+    body: bytearray = field(default_factory=bytearray)
+
+
+class HttpError(Exception):
+    pass
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive client connection; :meth:`request` sends and reads one exchange."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.waiter: asyncio.Future[Response] | None = None
+        self.response: Response | None = None
+        self.on_body: Callable[[bytes, int], None] | None = None
+        self.lost = asyncio.get_running_loop().create_future()
+        # parser state
+        self.mode = "head"  # head | length | chunk-size | chunk-data | chunk-crlf | trailer | eof
+        self.remaining = 0
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> Connection:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(cls, host, port)
+        return conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if not self.lost.done():
+            self.lost.set_result(None)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            if self.mode == "eof" and self.response is not None:
+                waiter.set_result(self.response)
+            else:
+                waiter.set_exception(HttpError(f"connection lost ({exc or 'closed'})"))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    async def request(
+        self, raw: bytes, on_body: Callable[[bytes, int], None] | None = None
+    ) -> Response:
+        if self.transport is None:
+            raise HttpError("connection closed")
+        self.response = Response()
+        self.on_body = on_body
+        self.mode = "head"
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        try:
+            return await self.waiter
+        finally:
+            self.waiter = None
+
+    # -- parsing ---------------------------------------------------------------
+
+    def _body(self, data: bytes) -> None:
+        if not data:
+            return
+        assert self.response is not None
+        if self.on_body is not None:
+            self.on_body(data, time.monotonic_ns())
+        else:
+            self.response.body += data
+
+    def _done(self) -> None:
+        self.mode = "head"
+        if self.waiter is not None and not self.waiter.done():
+            assert self.response is not None
+            self.waiter.set_result(self.response)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        while buf:
+            mode = self.mode
+            if mode == "head":
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    break
+                head, buf = buf[:end], buf[end + 4 :]
+                response = self.response
+                if response is None:
+                    raise HttpError("unsolicited response")
+                response.status = int(head[9:12])
+                response.headers = head
+                lower = head.lower()
+                if b"transfer-encoding: chunked" in lower:
+                    self.mode = "chunk-size"
+                    continue
+                at = lower.find(b"\r\ncontent-length:")
+                if at >= 0:
+                    stop = lower.find(b"\r\n", at + 2)
+                    self.remaining = int(lower[at + 17 : stop if stop >= 0 else len(lower)])
+                    if self.remaining == 0:
+                        self._done()
+                    else:
+                        self.mode = "length"
+                    continue
+                self.mode = "eof"
+            elif mode == "length":
+                piece, buf = buf[: self.remaining], buf[self.remaining :]
+                self.remaining -= len(piece)
+                self._body(piece)
+                if self.remaining == 0:
+                    self._done()
+            elif mode == "chunk-size":
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    break
+                size = int(buf[:end].split(b";", 1)[0], 16)
+                buf = buf[end + 2 :]
+                if size == 0:
+                    self.mode = "trailer"
+                else:
+                    self.remaining = size
+                    self.mode = "chunk-data"
+            elif mode == "chunk-data":
+                piece, buf = buf[: self.remaining], buf[self.remaining :]
+                self.remaining -= len(piece)
+                self._body(piece)
+                if self.remaining == 0:
+                    self.mode = "chunk-crlf"
+            elif mode == "chunk-crlf":
+                if len(buf) < 2:
+                    break
+                buf = buf[2:]
+                self.mode = "chunk-size"
+            elif mode == "trailer":
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    break
+                line, buf = buf[:end], buf[end + 2 :]
+                if not line:
+                    self._done()
+            else:  # eof-delimited body
+                self._body(buf)
+                buf = b""
+        self.buf = buf
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+@dataclass
+class UnaryResult:
+    latencies_us: list[float]
+    errors: int
+    elapsed: float
+    statuses: dict[int, int] = field(default_factory=dict)
+    sample_body: bytes = b""
+
+    @property
+    def rate(self) -> float:
+        return len(self.latencies_us) / self.elapsed if self.elapsed else 0.0
+
+
+async def closed_loop(
+    host: str, port: int, raw: bytes, *, connections: int, duration: float, count: int = 0
+) -> UnaryResult:
+    """``connections`` clients back to back for ``duration`` s (or ``count`` requests each)."""
+    conns = [await Connection.open(host, port) for _ in range(connections)]
+    latencies: list[float] = []
+    statuses: dict[int, int] = {}
+    errors = 0
+    sample = b""
+    start = time.monotonic()
+    deadline = start + duration
+
+    async def client(conn: Connection) -> None:
+        nonlocal errors, sample
+        done = 0
+        while (time.monotonic() < deadline) if not count else done < count:
+            t0 = time.monotonic_ns()
+            try:
+                resp = await conn.request(raw)
+            except HttpError:
+                errors += 1
+                return
+            latencies.append((time.monotonic_ns() - t0) / 1000)
+            statuses[resp.status] = statuses.get(resp.status, 0) + 1
+            if resp.status != 200:
+                errors += 1
+            elif not sample:
+                sample = bytes(resp.body)
+            done += 1
+
+    try:
+        await asyncio.gather(*(client(c) for c in conns))
+    finally:
+        for conn in conns:
+            conn.close()
+    return UnaryResult(latencies, errors, time.monotonic() - start, statuses, sample)
+
+
+async def sequential(host: str, port: int, raw: bytes, count: int) -> UnaryResult:
+    """One client, one request in flight, ``count`` requests."""
+    return await closed_loop(host, port, raw, connections=1, duration=0, count=count)
+
+
+@dataclass
+class StreamResult:
+    streams: int
+    intact: int
+    delays_us: list[float]  # upstream write -> client read, per token chunk
+    gaps_us: list[float]  # between consecutive token chunks at the client
+    chunks: int  # SSE events received, all streams
+    problems: dict[str, int]
+    elapsed: float
+
+
+class _StreamCheck:
+    """Splits one stream's body into SSE events and checks and times its tokens."""
+
+    __slots__ = ("buf", "delays", "done", "events", "expected", "gaps", "last", "ok", "problem")
+
+    def __init__(self, delays: list[float], gaps: list[float]) -> None:
+        self.buf = b""
+        self.expected = 0
+        self.last = 0
+        self.events = 0
+        self.done = False
+        self.ok = True
+        self.problem = ""
+        self.delays = delays
+        self.gaps = gaps
+
+    def feed(self, data: bytes, now_ns: int) -> None:
+        buf = self.buf + data if self.buf else data
+        now_us = now_ns // 1000
+        while True:
+            end = buf.find(b"\n\n")
+            if end < 0:
+                break
+            event, buf = buf[:end], buf[end + 2 :]
+            self.events += 1
+            if self.done:
+                self._fail("data after [DONE]")
+            if event == b"data: [DONE]":
+                self.done = True
+                continue
+            match = _TOKEN.search(event)
+            if match is None:
+                continue
+            index, stamp = int(match.group(1)), int(match.group(2))
+            if index != self.expected:
+                self._fail("token out of order or missing")
+            self.expected = index + 1
+            self.delays.append(now_us - stamp)
+            if self.last:
+                self.gaps.append(now_us - self.last)
+            self.last = now_us
+        self.buf = buf
+
+    def _fail(self, problem: str) -> None:
+        if self.ok:
+            self.ok, self.problem = False, problem
+
+
+async def streams(
+    host: str, port: int, *, count: int, tokens: int, ramp: float, limit: float
+) -> StreamResult:
+    """``count`` concurrent streams of ``tokens`` tokens, started evenly over ``ramp`` s.
+
+    Streams still running after ``limit`` seconds are cancelled and counted as broken.
+    """
+    raw = chat_request(host, port, stream=True, max_tokens=tokens)
+    delays: list[float] = []
+    gaps: list[float] = []
+    problems: dict[str, int] = {}
+    intact = 0
+    chunks = 0
+
+    async def one(i: int) -> None:
+        nonlocal intact, chunks
+        await asyncio.sleep(ramp * i / count)
+        check = _StreamCheck(delays, gaps)
+        try:
+            conn = await Connection.open(host, port)
+        except OSError as exc:
+            problems[f"connect: {exc.__class__.__name__}"] = (
+                problems.get(f"connect: {exc.__class__.__name__}", 0) + 1
+            )
+            return
+        try:
+            resp = await conn.request(raw, on_body=check.feed)
+        except HttpError as exc:
+            check._fail(str(exc))
+            resp = None
+        finally:
+            conn.close()
+        chunks += check.events
+        if resp is not None and resp.status != 200:
+            check._fail(f"HTTP {resp.status}")
+        elif check.expected != tokens:
+            check._fail("stream ended early")
+        elif not check.done:
+            check._fail("no [DONE]")
+        if check.ok:
+            intact += 1
+        else:
+            problems[check.problem] = problems.get(check.problem, 0) + 1
+
+    start = time.monotonic()
+    tasks = [asyncio.ensure_future(one(i)) for i in range(count)]
+    try:
+        _, pending = await asyncio.wait(tasks, timeout=limit)
+        if pending:
+            problems["timed out"] = len(pending)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+    return StreamResult(count, intact, delays, gaps, chunks, problems, time.monotonic() - start)
+
+
+class Holder:
+    """Many requests sent and left waiting (nothing is read until :meth:`close`)."""
+
+    def __init__(self) -> None:
+        self.conns: list[Connection] = []
+        self.waits: list[asyncio.Future[Response]] = []
+
+    async def open(self, host: str, port: int, raw: bytes, count: int, batch: int = 100) -> None:
+        for first in range(0, count, batch):
+            opened = await asyncio.gather(
+                *(Connection.open(host, port) for _ in range(min(batch, count - first)))
+            )
+            for conn in opened:
+                self.conns.append(conn)
+                self.waits.append(asyncio.ensure_future(conn.request(raw)))
+            await asyncio.sleep(0)
+
+    def answered(self) -> int:
+        return sum(1 for w in self.waits if w.done())
+
+    async def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        for wait in self.waits:
+            wait.cancel()
+        if self.waits:
+            await asyncio.wait(self.waits)
+        self.conns.clear()
+        self.waits.clear()
+
+
+def percentile(values: list[float], pct: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = min(len(ordered) - 1, max(0, math.ceil(pct / 100 * len(ordered)) - 1))
+    return ordered[rank]
