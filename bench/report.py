@@ -254,17 +254,18 @@ def memory(res: dict[str, Any]) -> list[str]:
         if not i:
             continue
         env = i.get("env") or {}
-        hb = env.get("HEARTBEAT_INTERVAL_SECS", "15 (default)")
+        hb = env.get("HEARTBEAT_INTERVAL_SECS")
+        hb = f"{hb} s" if hb else "15 s, the default"
         rows.append(
             [
-                f"server RSS with {i['still_connected']} idle workers (heartbeat {hb} s)",
+                f"server RSS with {i['still_connected']} idle workers (heartbeat {hb})",
                 f"{_f(i['rss_mb'])} MB (baseline {_f(i['baseline_rss_mb'])} MB, "
                 f"+{_f(i['delta_mb'])} MB); connecting them took {i['connect_secs']} s",
             ]
         )
         rows.append(
             [
-                f"server CPU with {i['still_connected']} idle workers (heartbeat {hb} s, "
+                f"server CPU with {i['still_connected']} idle workers (heartbeat {hb}; "
                 f"{i['window_secs']} s window)",
                 f"{_f(100 * i['cpu_share'], 2)} % of a core "
                 f"(no workers: {_f(100 * i['baseline_cpu_share'], 2)} %)",

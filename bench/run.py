@@ -467,7 +467,7 @@ def notes(res: dict[str, Any]) -> list[str]:
                     total = sum(shares.values())
                     if total < 90 * st["cores"]:
                         continue
-                    note = f"{where}: all {st['cores']} cores were busy ({total:.0f} %)"
+                    note = f"{where}: the machine's {st['cores']} cores were {total:.0f} % busy"
                 note += (
                     f" (busiest: {busiest}, {shares[busiest]:.0f} % of a core), so this figure "
                     "is bounded by the CPU of the benchmark machine"
