@@ -33,6 +33,12 @@ class Profile:
             for name, count in ranked
         ]
 
+    def top_total_in(self, markers: tuple[str, ...], n: int = 10) -> list[tuple[str, float]]:
+        """Inclusive time of the busiest functions whose location contains one of ``markers``."""
+        chosen = {k: v for k, v in self.total_counts.items() if any(m in k for m in markers)}
+        ranked = sorted(chosen.items(), key=lambda kv: -kv[1])[:n]
+        return [(name, 100 * count / self.samples) for name, count in ranked]
+
     def top_total(self, n: int = 12) -> list[tuple[str, float]]:
         ranked = sorted(self.total_counts.items(), key=lambda kv: -kv[1])[:n]
         return [(name, 100 * count / self.samples) for name, count in ranked]

@@ -313,7 +313,8 @@ class Run:
         if not path.exists():
             return {"samples": 0, "self": [], "total": []}
         prof = parse_profile(path)
-        return {"samples": prof.samples, "self": prof.top(15), "total": prof.top_total(40)}
+        ours = prof.top_total_in(("(relay/", "(worker.py", "(workers_app/", "(modelrelay_site/"))
+        return {"samples": prof.samples, "self": prof.top(15), "ours": ours}
 
     def py_spy(self) -> str | None:
         for candidate in (
@@ -433,10 +434,13 @@ def profile_lines(profiles: dict[str, Any], rows: int = 15) -> list[str]:
             out += [f"**{title} — {name}** ({prof['samples']} samples); top by own time:", ""]
             out += ["| self % | total % | function |", "|---|---|---|"]
             out += [f"| {s:.1f} | {t:.1f} | `{fn}` |" for fn, s, t in prof["self"][:rows]]
-            # Inclusive time, without the event loop's own frames that hold everything.
-            inner = [(fn, t) for fn, t in prof["total"] if t < 60][: max(5, rows // 2)]
-            if inner:
-                out += ["", "Inclusive: " + "; ".join(f"`{fn}` {t:.0f} %" for fn, t in inner)]
+            ours = prof.get("ours") or []
+            if ours:
+                out += [
+                    "",
+                    "ModelRelay's own functions, inclusive: "
+                    + "; ".join(f"`{fn}` {t:.1f} %" for fn, t in ours),
+                ]
             out.append("")
     return out
 
