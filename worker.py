@@ -11,7 +11,8 @@ Install on the GPU box (no Django needed)::
 and keep the ``relay/`` package beside this file. The worker imports only its
 Django-free modules: ``relay/__init__.py``, ``workerconfig.py`` (flags and
 environment), ``session.py`` (one connection to the relay), ``backend.py`` (discovery
-and forwarding to the local server), ``usage.py`` (token counts), ``protocol.py`` (the
+and forwarding to the local server), ``network.py`` (its sockets), ``usage.py`` (token
+counts), ``protocol.py`` (the
 wire messages shared with the server), ``errors.py``, ``sse.py`` and ``headers.py``.
 
 Run::

@@ -10,9 +10,11 @@ It also turns off autobahn's ``failByDrop``: a frame over MAX_MESSAGE_BYTES or
 invalid UTF-8 then gets a proper close frame (1009/1007 with a reason) instead of
 a dropped TCP connection the worker cannot explain.
 
-And it stops Twisted from parsing every POST body as a possible HTML form (it runs
-the ``email`` package's header parser on each Content-Type): daphne hands the raw
-body to the application and never looks at Twisted's parsed form arguments.
+And it stops two pieces of per-request Twisted work that daphne never uses: parsing
+every POST body as a possible HTML form (the ``email`` package's header parser on each
+Content-Type) — daphne hands the raw body to the application — and formatting an
+access-log line for Twisted's legacy log, which daphne discards (it logs requests
+itself).
 Installed only when daphne is the server in this process.
 """
 
@@ -25,7 +27,9 @@ from typing import Any
 def install() -> None:
     if "daphne.server" not in sys.modules:
         return
-    from daphne.http_protocol import WebRequest
+    from daphne.http_protocol import HTTPFactory, WebRequest
+
+    HTTPFactory.log = lambda self, request: None
     from daphne.ws_protocol import WebSocketFactory, WebSocketProtocol
 
     original_init = WebRequest.__init__

@@ -17,6 +17,7 @@ import httpx
 import msgspec
 from websockets.exceptions import ConnectionClosed
 
+from relay import network
 from relay.errors import Flavor, WorkerFailed, describe, error_body
 from relay.headers import DROPPED_RESPONSE_HEADERS
 from relay.protocol import Request, ResponseChunk, ResponseComplete, WorkerMessage
@@ -82,7 +83,9 @@ class Backend:
             pool=60.0,
         )
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        self.http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        self.http = httpx.AsyncClient(
+            timeout=timeout, transport=network.transport(limits), trust_env=False
+        )
 
     async def __aenter__(self) -> Backend:
         await self.http.__aenter__()

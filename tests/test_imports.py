@@ -30,6 +30,7 @@ CORE = [
     "relay.workerconfig",
     "relay.usage",
     "relay.backend",
+    "relay.network",
     "relay.session",
 ]
 

@@ -530,9 +530,10 @@ def test_the_bundle_holds_the_worker_and_only_the_relay_modules_it_imports():
 
 
 def test_the_worker_requirements_pin_what_the_bundled_modules_import():
-    # Every bundled file's imports count, not only worker.py's (httpx is imported in relay/).
+    # Every bundled file's imports count, not only worker.py's (httpx and httpcore are
+    # imported in relay/).
     names = [pin.split("==")[0] for pin in bundle.worker_requirements()]
-    assert names == ["websockets", "httpx", "msgspec"]
+    assert names == ["websockets", "httpx", "msgspec", "httpcore"]
 
 
 def test_a_worker_that_imports_django_is_not_bundled(tmp_path, monkeypatch):
