@@ -30,12 +30,18 @@ nginx:
 # database "test"); without a reachable server that pass is skipped, except in CI.
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 PG_TESTS := tests/test_worker_socket.py tests/test_http_api.py tests/test_keys.py \
-	tests/test_admin_api.py tests/test_commands.py tests/test_live_relay.py tests/test_cluster.py
+	tests/test_admin_api.py tests/test_commands.py tests/test_live_relay.py tests/test_cluster.py \
+	tests/test_e2e.py tests/test_pages.py
+
+# The live tests run once more under the alternative server, manage.py serve --server uvicorn.
+UVICORN_TESTS := tests/test_live_relay.py tests/test_e2e.py tests/test_live_smoke.py
 
 test: $(VENV)/.dev browser nginx
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)
 	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_DATABASE=postgres DATABASE_URL=$(PG_URL) \
 		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(PG_TESTS)
+	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_SERVER=uvicorn \
+		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(UVICORN_TESTS)
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

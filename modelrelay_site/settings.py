@@ -151,6 +151,11 @@ else:
 # --- ModelRelay --------------------------------------------------------------
 
 LISTEN_ADDR = env_str("LISTEN_ADDR", "127.0.0.1:8080")
+ASGI_SERVER = env_str("ASGI_SERVER", "daphne")
+if ASGI_SERVER not in {"daphne", "uvicorn"}:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(f"ASGI_SERVER must be daphne or uvicorn, got {ASGI_SERVER!r}")
 PUBLIC_URL = env_str("PUBLIC_URL", "")
 PROVIDER_NAME = env_str("PROVIDER_NAME", "local")
 WORKER_SECRET = env_str("WORKER_SECRET", "")

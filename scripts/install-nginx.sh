@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Debian's nginx for the reverse-proxy tests (tests/test_deploy.py); needs root or sudo.
+# Install Debian's nginx for the reverse-proxy tests (tests/test_deploy_proxies.py); needs root or sudo.
 # The package's service is not started: the tests run their own nginx in the foreground.
 # When nginx cannot be installed this prints why and exits 0, so local runs skip those tests
 # (under CI=true the tests themselves fail when nginx is missing).

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The ASGI server live tests run under (``make test`` runs the live tests under both).
+SERVER = os.environ.get("RELAY_TEST_SERVER", "daphne")
 WORKER_SECRET = "mrw_test-secret-0123456789"
 _LISTEN_RE = re.compile(r"Listening on (http://\S+)")
 
@@ -56,7 +58,7 @@ class LiveServer:
             self._reader.join(timeout=10)
         self._ready.clear()
         self.process = subprocess.Popen(
-            [sys.executable, "manage.py", "serve", "--listen", listen],
+            [sys.executable, "manage.py", "serve", "--listen", listen, "--server", SERVER],
             cwd=ROOT,
             env=self.env,
             stdout=subprocess.PIPE,

@@ -1,17 +1,14 @@
-"""``manage.py serve``: migrate, bootstrap the default provider, run daphne.
+"""``manage.py serve``: migrate, bootstrap the default provider, serve ModelRelay.
 
-On SIGTERM/SIGINT the server stops admitting requests (503), lets in-flight and
-queued work finish within SHUTDOWN_GRACE_SECS, closes worker sockets with 1012 so
-workers reconnect to the next instance, then exits. A second signal exits at once.
+daphne by default, ``--server uvicorn`` as the faster alternative; shutdown on
+SIGTERM is graceful either way (see :mod:`modelrelay_site.servers`).
 """
 
 # daphne.server installs Twisted's asyncio reactor; it must be imported before
 # anything else imports twisted.internet.reactor.
-from daphne.server import Server  # isort:skip
+import daphne.server  # noqa: F401  isort:skip
 
-import asyncio
 import logging
-import signal
 import socket
 from typing import Any
 
@@ -19,7 +16,8 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from relay import __version__, runtime
+from modelrelay_site.servers import SERVERS
+from relay import __version__
 from workers_app.services import (
     Bootstrap,
     PepperMismatch,
@@ -47,11 +45,17 @@ def worker_command(public_url: str, provider: str, secret: str) -> str:
 
 
 class Command(BaseCommand):
-    help = "Migrate, bootstrap the default provider and serve ModelRelay with daphne."
+    help = "Migrate, bootstrap the default provider and serve ModelRelay (daphne by default)."
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--listen", help="host:port to bind (default: LISTEN_ADDR)")
         parser.add_argument("--no-migrate", action="store_true", help="skip migrations")
+        parser.add_argument(
+            "--server",
+            choices=sorted(SERVERS),
+            default=settings.ASGI_SERVER,
+            help="ASGI server (default: ASGI_SERVER, daphne)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         host, port = parse_listen(options["listen"] or settings.LISTEN_ADDR)
@@ -71,39 +75,19 @@ class Command(BaseCommand):
 
         from modelrelay_site.asgi import application
 
-        interface = host.replace(":", r"\:")
-        self.server = Server(
-            application,
-            endpoints=[f"tcp:port={port}:interface={interface}"],
-            signal_handlers=False,
-            websocket_timeout=-1,
-            websocket_max_message_size=settings.MAX_MESSAGE_BYTES,
-            websocket_max_frame_size=settings.MAX_MESSAGE_BYTES,
-            request_buffer_size=1024 * 1024,
-            application_close_timeout=10,
-            ready_callable=lambda: self._ready(boot),
-            server_name="modelrelay",
+        serving = SERVERS[options["server"]](
+            application, host, port, lambda h, p: self._banner(boot, h, p, options["server"])
         )
-        self._stopping = False
-        self.server.run()
+        serving.run()
 
-    def _ready(self, boot: Bootstrap) -> None:
-        loop = asyncio.get_event_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
-        # Start the relay now (provider sync, bookkeeping, cluster membership) rather
-        # than on the first request.
-        loop.call_soon(runtime.current)
-        if not self.server.listening_addresses:
-            return
-        host, port = self.server.listening_addresses[0]
+    def _banner(self, boot: Bootstrap, host: str, port: int, server: str) -> None:
         shown = host if host not in ("0.0.0.0", "::") else socket.gethostname()
         if ":" in shown:
             shown = f"[{shown}]"
         base = f"http://{shown}:{port}"
         public = settings.PUBLIC_URL or base
         lines = [
-            f"ModelRelay {__version__}",
+            f"ModelRelay {__version__} ({server})",
             f"Listening on http://{'[' + host + ']' if ':' in host else host}:{port}",
             f"  OpenAI/Anthropic endpoint: {public}/v1",
             f"  Dashboard: {public}/dashboard   Setup wizard: {public}/setup",
@@ -127,20 +111,3 @@ class Command(BaseCommand):
         )
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
-
-    def _on_signal(self, sig: int) -> None:
-        if self._stopping:
-            logger.warning("second signal: stopping now")
-            self.server.stop()
-            return
-        self._stopping = True
-        logger.info("shutting down: no new requests; finishing in-flight work")
-        asyncio.get_event_loop().create_task(self._graceful())
-
-    async def _graceful(self) -> None:
-        try:
-            rt = runtime.peek()
-            if rt is not None:
-                await rt.shutdown()
-        finally:
-            self.server.stop()

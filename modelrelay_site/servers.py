@@ -1,0 +1,151 @@
+"""The ASGI servers ``manage.py serve`` can run the application under.
+
+daphne is the default (the Channels server); uvicorn is a measured alternative with
+less per-request overhead (docs/BENCHMARKS.md). Both get the same shutdown: the first
+SIGTERM/SIGINT stops admitting requests (503), lets in-flight and queued work finish
+within SHUTDOWN_GRACE_SECS, closes worker sockets with 1012 so workers reconnect to
+the next instance, then stops the server; a second signal stops it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from django.conf import settings
+
+from relay import runtime
+
+logger = logging.getLogger("relay.serve")
+
+OnReady = Callable[[str, int], None]
+
+
+class Serving:
+    name = ""
+
+    def __init__(self, application: Any, host: str, port: int, on_ready: OnReady) -> None:
+        self.application = application
+        self.host = host
+        self.port = port
+        self.on_ready = on_ready
+        self._stopping = False
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, *, force: bool = False) -> None:
+        raise NotImplementedError
+
+    def started(self, host: str, port: int) -> None:
+        """Called on the server's event loop once it listens."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        # Start the relay now (provider sync, bookkeeping, cluster membership) rather
+        # than on the first request.
+        runtime.current()
+        self.on_ready(host, port)
+
+    def _on_signal(self) -> None:
+        if self._stopping:
+            logger.warning("second signal: stopping now")
+            self.stop(force=True)
+            return
+        self._stopping = True
+        logger.info("shutting down: no new requests; finishing in-flight work")
+        asyncio.get_running_loop().create_task(self._graceful())
+
+    async def _graceful(self) -> None:
+        try:
+            rt = runtime.peek()
+            if rt is not None:
+                await rt.shutdown()
+        finally:
+            self.stop()
+
+
+class DaphneServing(Serving):
+    name = "daphne"
+
+    def run(self) -> None:
+        from daphne.server import Server
+
+        interface = self.host.replace(":", r"\:")
+        self.server = Server(
+            self.application,
+            endpoints=[f"tcp:port={self.port}:interface={interface}"],
+            signal_handlers=False,
+            websocket_timeout=-1,
+            websocket_max_message_size=settings.MAX_MESSAGE_BYTES,
+            websocket_max_frame_size=settings.MAX_MESSAGE_BYTES,
+            request_buffer_size=1024 * 1024,
+            application_close_timeout=10,
+            ready_callable=self._ready,
+            server_name="modelrelay",
+        )
+        self.server.run()
+
+    def _ready(self) -> None:
+        # Runs before the reactor starts: finish on the loop, once it is running.
+        asyncio.get_event_loop().call_soon(self._listening)
+
+    def _listening(self) -> None:
+        if self.server.listening_addresses:
+            self.started(*self.server.listening_addresses[0])
+
+    def stop(self, *, force: bool = False) -> None:
+        self.server.stop()
+
+
+class UvicornServing(Serving):
+    name = "uvicorn"
+
+    def run(self) -> None:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield  # signals are handled by Serving, on the loop
+
+        config = uvicorn.Config(
+            self.application,
+            host=self.host,
+            port=self.port,
+            lifespan="off",
+            ws="websockets-sansio",
+            ws_max_size=settings.MAX_MESSAGE_BYTES,
+            ws_per_message_deflate=False,
+            access_log=False,
+            server_header=False,
+            log_level=settings.LOG_LEVEL.lower(),
+            timeout_graceful_shutdown=5,
+            log_config=None,  # keep Django's LOGGING
+        )
+        self.server = Server(config)
+        with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+            runner.run(self._serve())
+
+    async def _serve(self) -> None:
+        task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if task.done():
+                await task  # it failed to start: raise why
+                return
+            await asyncio.sleep(0.01)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        self.started(host, port)
+        await task
+
+    def stop(self, *, force: bool = False) -> None:
+        self.server.should_exit = True
+        if force:
+            self.server.force_exit = True
+
+
+SERVERS: dict[str, type[Serving]] = {"daphne": DaphneServing, "uvicorn": UvicornServing}
