@@ -114,6 +114,18 @@ async def test_oversized_frames_close_only_that_worker(relay_server_factory):
                 assert (await call).json() == {"ok": 1}
 
 
+async def test_invalid_utf8_in_a_text_frame_closes_only_that_worker(relay_server):
+    async with await connect(relay_server) as good, await connect(relay_server) as bad:
+        await register(good)
+        await register(bad)
+        await bad.send(b'{"type":"pong","current_load":0,"x":"\xff"}', text=True)
+        code, _ = await closed(bad)
+        assert code == 1007
+        await good.send(protocol.encode(protocol.Pong(current_load=0)))
+        async with httpx.AsyncClient(base_url=relay_server.url) as client:
+            assert (await client.get("/health")).json()["workers_connected"] == 1
+
+
 async def test_streaming_is_flushed_chunk_by_chunk_and_disconnect_cancels(relay_server):
     async with await connect(relay_server) as ws:
         await register(ws)
