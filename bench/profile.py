@@ -3,18 +3,29 @@
 ``py-spy record --format raw`` writes collapsed stacks (``frame;frame;... count``).
 :func:`top` turns them into the functions with the most samples on-CPU: *self* counts
 samples where the function is the innermost frame, *total* counts samples where it is
-anywhere on the stack (once per sample).
+anywhere on the stack (once per sample). *Packages* attribute each sample to the
+innermost frame outside the standard library that runs inside the event loop: the
+code that asked for the work, e.g. daphne or Twisted rather than ``socket.send``.
+Samples with no such frame (the loop itself: polling, scheduling; uvloop's C loop
+under ``asyncio.Runner.run``) count as ``stdlib``, not as the code that started the
+loop.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _LINE = re.compile(r"^(.*) (\d+)$")
 #: ``function (file.py:123)`` -> ``function (file.py)``: merge lines of one function.
 _FRAME_LINE = re.compile(r":\d+\)$")
+#: ``function (pkg/mod.py)`` -> ``pkg/mod.py``
+_FRAME_FILE = re.compile(r"\(([^()]*)\)$")
+_STDLIB = set(sys.stdlib_module_names) | {"stdlib", "<frozen", "<string>"}
+#: Files of asyncio's event loop: frames below them started the loop, not this work.
+_LOOP_FILES = ("(asyncio/base_events.py)", "(asyncio/runners.py)", "(asyncio/events.py)")
 
 
 @dataclass
@@ -22,6 +33,14 @@ class Profile:
     samples: int
     self_counts: dict[str, int]
     total_counts: dict[str, int]
+    package_counts: dict[str, int] = field(default_factory=dict)
+
+    def packages(self) -> dict[str, float]:
+        """Share (%) of samples per package, by the innermost non-stdlib frame."""
+        if not self.samples:
+            return {}
+        ranked = sorted(self.package_counts.items(), key=lambda kv: -kv[1])
+        return {name: 100 * count / self.samples for name, count in ranked}
 
     def top(self, n: int = 12) -> list[tuple[str, float, float]]:
         """``(function, self %, total %)`` by self samples, the busiest first."""
@@ -33,9 +52,16 @@ class Profile:
             for name, count in ranked
         ]
 
-    def top_total_in(self, markers: tuple[str, ...], n: int = 10) -> list[tuple[str, float]]:
-        """Inclusive time of the busiest functions whose location contains one of ``markers``."""
-        chosen = {k: v for k, v in self.total_counts.items() if any(m in k for m in markers)}
+    def top_total_in(
+        self, markers: tuple[str, ...], n: int = 10, skip: tuple[str, ...] = ()
+    ) -> list[tuple[str, float]]:
+        """Inclusive time of the busiest functions whose location contains one of ``markers``
+        (and none of ``skip``)."""
+        chosen = {
+            k: v
+            for k, v in self.total_counts.items()
+            if any(m in k for m in markers) and not any(s in k for s in skip)
+        }
         ranked = sorted(chosen.items(), key=lambda kv: -kv[1])[:n]
         return [(name, 100 * count / self.samples) for name, count in ranked]
 
@@ -58,9 +84,32 @@ def _short(frame: str) -> str:
     return frame.replace("/work/main/", "")
 
 
+def package(frame: str) -> str:
+    """Top-level package (or module file) of a shortened frame; ``stdlib`` for Python's own."""
+    match = _FRAME_FILE.search(frame)
+    path = match.group(1) if match else ""
+    top = path.split("/", 1)[0].split(" ", 1)[0]
+    name = top.removesuffix(".py")
+    if not name or name in _STDLIB or path.startswith("stdlib/"):
+        return "stdlib"
+    return top
+
+
+def _owner(frames: list[str]) -> str:
+    """Package of the innermost non-stdlib frame above the event loop's own frames."""
+    for frame in reversed(frames):
+        if frame.endswith(_LOOP_FILES):
+            return "stdlib"
+        name = package(frame)
+        if name != "stdlib":
+            return name
+    return "stdlib"
+
+
 def parse(path: Path) -> Profile:
     self_counts: dict[str, int] = {}
     total_counts: dict[str, int] = {}
+    package_counts: dict[str, int] = {}
     samples = 0
     for line in path.read_text(errors="replace").splitlines():
         match = _LINE.match(line)
@@ -77,7 +126,9 @@ def parse(path: Path) -> Profile:
         self_counts[leaf] = self_counts.get(leaf, 0) + count
         for name in set(frames):
             total_counts[name] = total_counts.get(name, 0) + count
-    return Profile(samples, self_counts, total_counts)
+        owner = _owner(frames)
+        package_counts[owner] = package_counts.get(owner, 0) + count
+    return Profile(samples, self_counts, total_counts, package_counts)
 
 
 def command(py_spy: str, pid: int, out: Path, duration: float, rate: int = 250) -> list[str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import loadgen
+from bench.connection import chat_request
 from bench.procs import CpuMeter, Processes, machine_busy, rss_bytes
 from bench.targets import (
     ROOT,
@@ -131,7 +132,7 @@ def throughput(
 
 
 def one_in_flight(target: Target, upstream_pid: int, count: int) -> dict[str, Any]:
-    raw = loadgen.chat_request(HOST, target.port, stream=False)
+    raw = chat_request(HOST, target.port, stream=False)
     asyncio.run(loadgen.sequential(HOST, target.port, raw, max(20, count // 10)))  # warm-up
     with Window(target, upstream_pid) as window:
         result = asyncio.run(loadgen.sequential(HOST, target.port, raw, count))
@@ -218,23 +219,35 @@ def _idle_helper(
 
 
 def queued_memory(
-    procs: Processes, workdir: Path, upstream_url: str, queued: int, cpus: str | None
+    procs: Processes,
+    workdir: Path,
+    upstream_url: str,
+    queued: int,
+    cpus: str | None,
+    label: str,
+    server_name: str,
 ) -> dict[str, Any]:
     """Server RSS with ``queued`` requests waiting (one more is held by a silent worker)."""
     server, url = start_server(
-        procs, workdir, "queue", cpus, QUEUE_TIMEOUT_SECS="300", REQUEST_TIMEOUT_SECS="600"
+        procs,
+        workdir,
+        label,
+        cpus,
+        server_name,
+        QUEUE_TIMEOUT_SECS="300",
+        REQUEST_TIMEOUT_SECS="600",
     )
     port = int(url.rsplit(":", 1)[1])
     try:
         # Warm the request path with a real worker first, so one-time imports and
         # caches are in the baseline rather than counted as the queue's cost.
-        (warm_worker,) = start_workers(procs, url, upstream_url, 1, "queue")
+        (warm_worker,) = start_workers(procs, url, upstream_url, 1, label)
         wait_workers(url, 1, server, timeout=60)
-        raw = loadgen.chat_request(HOST, port, stream=False)
+        raw = chat_request(HOST, port, stream=False)
         asyncio.run(loadgen.closed_loop(HOST, port, raw, connections=32, duration=0, count=20))
         procs.stop(warm_worker)
         wait_workers(url, 0, server, timeout=30)
-        holder_proc = _idle_helper(procs, url, "holder", 1, "bench-model", 1)
+        holder_proc = _idle_helper(procs, url, f"{label}-holder", 1, "bench-model", 1)
         holder_proc.wait_for_line(r"registered 1\b", timeout=60)
         time.sleep(1.5)  # session row written, request-log flush done
         baseline = rss_bytes(server.pid)
@@ -272,11 +285,12 @@ def idle_workers(
     window: float,
     cpus: str | None,
     label: str,
+    server_name: str,
     helpers: int = 2,
     **env: str,
 ) -> dict[str, Any]:
     """Server RSS and CPU share with ``count`` connected idle workers (and with none)."""
-    server, url = start_server(procs, workdir, label, cpus, **env)
+    server, url = start_server(procs, workdir, label, cpus, server_name, **env)
     try:
         time.sleep(2.0)  # start-up work (provider sync, first flush) out of the window
         base = CpuMeter({"server": [server.pid]}).start()

@@ -21,6 +21,11 @@ from bench.procs import Proc, Processes, group_pids
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_SECRET = "mrw_bench-secret-0123456789abcdef"
 MODEL = "bench-model"
+#: ModelRelay deployments measured: CLI name -> (label in the results, ``serve --server``).
+RELAYS = {
+    "modelrelay": ("ModelRelay", "daphne"),
+    "modelrelay-uvicorn": ("ModelRelay (uvicorn)", "uvicorn"),
+}
 
 
 def project_python() -> str:
@@ -47,7 +52,8 @@ def server_env(data_dir: Path, **overrides: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("MODELRELAY_", "DJANGO_")) and k not in ("REDIS_URL", "DATABASE_URL")
+        if not k.startswith(("MODELRELAY_", "DJANGO_"))
+        and k not in ("REDIS_URL", "DATABASE_URL", "ASGI_SERVER")
     }
     env.update(
         {
@@ -84,13 +90,14 @@ def wait_workers(url: str, count: int, proc: Proc, timeout: float) -> None:
 
 
 def start_server(
-    procs: Processes, workdir: Path, label: str, cpus: str | None, **env: str
+    procs: Processes, workdir: Path, label: str, cpus: str | None, server: str, **env: str
 ) -> tuple[Proc, str]:
+    """``manage.py serve --server <server>`` on a fresh SQLite ``DATA_DIR``; its URL."""
     data_dir = workdir / f"data-{label}"
     data_dir.mkdir()
     proc = procs.start(
         f"server-{label}",
-        [project_python(), "manage.py", "serve", "--listen", "127.0.0.1:0"],
+        [project_python(), "manage.py", "serve", "--listen", "127.0.0.1:0", "--server", server],
         env=server_env(data_dir, **env),
         cwd=ROOT,
         cpus=cpus,
@@ -132,12 +139,19 @@ def start_workers(
 
 
 def start_modelrelay(
-    procs: Processes, workdir: Path, upstream_url: str, workers: int, cpus: str | None
+    procs: Processes,
+    workdir: Path,
+    upstream_url: str,
+    workers: int,
+    cpus: str | None,
+    name: str = "modelrelay",
 ) -> Target:
-    server, url = start_server(procs, workdir, "relay", cpus)
-    worker_procs = start_workers(procs, url, upstream_url, workers, "relay")
+    """One ModelRelay deployment of :data:`RELAYS`: the server and ``workers`` worker.py."""
+    label, server_name = RELAYS[name]
+    server, url = start_server(procs, workdir, name, cpus, server_name)
+    worker_procs = start_workers(procs, url, upstream_url, workers, name)
     wait_workers(url, workers, server, timeout=60)
-    target = Target("ModelRelay", int(url.rsplit(":", 1)[1]), [server, *worker_procs])
+    target = Target(label, int(url.rsplit(":", 1)[1]), [server, *worker_procs])
     target.cpu_pids = {"server": [server.pid], "workers": [w.pid for w in worker_procs]}
     return target
 

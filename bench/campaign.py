@@ -1,0 +1,239 @@
+"""One benchmark run's measurements: the upstream, each target in turn, then memory.
+
+A :class:`Campaign` starts the fake upstream once, then for each target starts it,
+runs (a), (b) and (c) against it (and, for a ModelRelay deployment, the profiling
+pass), and stops it before the next one, so nothing else runs on the machine while a
+target is measured. (e) starts fresh servers of its own. The results are plain dicts
+in :attr:`Campaign.res`, which the report turns into tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import peers, scenarios, targets
+from bench.procs import Processes
+from bench.profiler import Profiler, find_py_spy
+from bench.targets import RELAYS, ROOT
+
+#: CLI names of the targets, in the order they run and are reported.
+ALL_TARGETS = ("direct", "modelrelay", "modelrelay-uvicorn", "litellm", "nginx")
+
+
+def settings(quick: bool) -> dict[str, Any]:
+    if quick:
+        return {
+            "a_seconds": 4,
+            "warmup": 1,
+            "b_count": 300,
+            "c_ks": [250],
+            "c_peer_ks": [],
+            "c_tokens": 60,
+            "c_ramp": 1.0,
+            "token_rate": 20.0,
+            "queued": 1000,
+            "idle_workers": 1000,
+            "idle_default_window": 15,
+            "idle_short_window": 0,
+        }
+    return {
+        "a_seconds": 10,
+        "warmup": 2,
+        "b_count": 1000,
+        "c_ks": [100, 250, 500],
+        "c_peer_ks": [100, 250],
+        "c_tokens": 100,
+        "c_ramp": 1.0,
+        "token_rate": 20.0,
+        "queued": 1000,
+        "idle_workers": 1000,
+        "idle_default_window": 30,
+        "idle_short_window": 10,
+    }
+
+
+def cpu_set(spec: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+class Campaign:
+    def __init__(self, args: argparse.Namespace, workdir: Path, procs: Processes) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.procs = procs
+        self.s = settings(args.quick)
+        cores = os.cpu_count() or 1
+        self.pin = args.pin and cores >= 2
+        self.sut_cpus = "0" if self.pin else None
+        self.rig_cpus = f"1-{cores - 1}" if cores > 2 else "1"
+        self.res: dict[str, Any] = {"a": {}, "b": {}, "c": {}, "e": {}}
+        self.bench_python: Path | None = None
+        self.upstream_port = 0
+        self.upstream_url = ""
+        self.upstream_pid = 0
+
+    def log(self, text: str) -> None:
+        print(text, flush=True)
+
+    def start_upstream(self) -> None:
+        proc = self.procs.start(
+            "upstream",
+            [
+                targets.project_python(),
+                "-m",
+                "bench.upstream",
+                "--token-rate",
+                str(self.s["token_rate"]),
+            ],
+            cwd=ROOT,
+        )
+        match = proc.wait_for_line(r"upstream listening on (http://\S+)", timeout=30)
+        self.upstream_url = match.group(1)
+        self.upstream_port = int(self.upstream_url.rsplit(":", 1)[1])
+        self.upstream_pid = proc.pid
+
+    def start_target(self, name: str) -> targets.Target:
+        if name == "direct":
+            return targets.direct(self.upstream_port)
+        if name in RELAYS:
+            return targets.start_modelrelay(
+                self.procs,
+                self.workdir,
+                self.upstream_url,
+                self.args.workers,
+                self.sut_cpus,
+                name,
+            )
+        if name == "litellm":
+            assert self.bench_python is not None
+            return targets.start_litellm(
+                self.procs, self.bench_python, self.workdir, self.upstream_url, self.sut_cpus
+            )
+        return targets.start_nginx(self.procs, self.workdir, self.upstream_port, self.sut_cpus)
+
+    def measure_target(self, name: str, only: set[str]) -> None:
+        s = self.s
+        t0 = time.monotonic()
+        target = self.start_target(name)
+        label = target.name
+        try:
+            if "a" in only:
+                r = scenarios.throughput(
+                    target, self.upstream_pid, self.workdir, s["a_seconds"], s["warmup"]
+                )
+                self.res["a"][label] = r
+                self.log(
+                    f"  (a) {label:<20} {r['rps']:>9,.0f} req/s  p50 {r['p50_ms']:.2f} ms  "
+                    f"p99 {r['p99_ms']:.2f} ms  errors {r['errors']}"
+                )
+            if "b" in only:
+                r = scenarios.one_in_flight(target, self.upstream_pid, s["b_count"])
+                self.res["b"][label] = r
+                self.log(
+                    f"  (b) {label:<20} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
+                    f"errors {r['errors']}"
+                )
+            if "c" in only:
+                ks = s["c_ks"] if name == "direct" or name in RELAYS else s["c_peer_ks"]
+                for k in ks:
+                    r = scenarios.streaming(
+                        target, self.upstream_pid, k, s["c_tokens"], s["c_ramp"]
+                    )
+                    self.res["c"].setdefault(label, {})[str(k)] = r
+                    self.log(
+                        f"  (c) {label:<20} K={k:<4} intact {r['intact']}/{k}  delay p50 "
+                        f"{r['delay_p50_ms']:.2f} ms p99 {r['delay_p99_ms']:.2f} ms  "
+                        f"gap p99 {r['gap_p99_ms']:.1f} ms"
+                    )
+            if self.args.profile and name in RELAYS:
+                self.profile(name, target, only)
+        finally:
+            targets.stop(self.procs, target)
+        self.log(f"  {label} done in {time.monotonic() - t0:.0f} s")
+
+    def profile(self, name: str, target: targets.Target, only: set[str]) -> None:
+        """py-spy (samples holding the GIL) on the server, and on a worker for the default."""
+        py_spy = find_py_spy(self.bench_python)
+        if py_spy is None:
+            self.log("  (profile) py-spy not found; skipped")
+            return
+        # worker.py is the same under either server: profile it once, with the default.
+        worker = name == "modelrelay"
+        profiler = Profiler(self.procs, self.workdir, py_spy)
+        found = profiler.sample(target, self.upstream_pid, only, self.s, worker=worker)
+        self.res.setdefault("profiles", {})[target.name] = found
+        self.log(f"  (profile) {target.name} server{' and worker' if worker else ''} sampled")
+
+    def memory(self, name: str) -> None:
+        s = self.s
+        t0 = time.monotonic()
+        label, server = RELAYS[name]
+        out = self.res["e"].setdefault(label, {})
+        q = scenarios.queued_memory(
+            self.procs,
+            self.workdir,
+            self.upstream_url,
+            s["queued"],
+            self.sut_cpus,
+            f"queue-{name}",
+            server,
+        )
+        out["queued"] = q
+        self.log(
+            f"  (e) {label}: {q['queued']} queued: server RSS {q['rss_mb']:.1f} MB "
+            f"(+{q['delta_mb']:.1f} MB over {q['baseline_rss_mb']:.1f} MB)"
+        )
+        runs = []
+        if s["idle_default_window"]:
+            runs.append(("idle", s["idle_default_window"], {}))
+        # The shortened heartbeat is the application's cost, not the server's: measure it
+        # with the default server only.
+        if s["idle_short_window"] and name == "modelrelay":
+            short = {"HEARTBEAT_INTERVAL_SECS": "1", "HEARTBEAT_TIMEOUT_SECS": "10"}
+            runs.append(("idle_short", s["idle_short_window"], short))
+        for key, window, env in runs:
+            i = scenarios.idle_workers(
+                self.procs,
+                self.workdir,
+                s["idle_workers"],
+                window,
+                self.sut_cpus,
+                f"{key}-{name}",
+                server,
+                **env,
+            )
+            out[key] = i
+            self.log(
+                f"  (e) {label}: {i['still_connected']} idle workers ({key}): server "
+                f"{100 * i['cpu_share']:.2f} % of a core, RSS {i['rss_mb']:.1f} MB "
+                f"(+{i['delta_mb']:.1f} MB)"
+            )
+        self.log(f"  {label} memory and idle done in {time.monotonic() - t0:.0f} s")
+
+    def execute(self, only: set[str], names: list[str]) -> None:
+        if self.pin:
+            os.sched_setaffinity(0, cpu_set(self.rig_cpus))
+        if "litellm" in names and only & {"a", "b", "c"}:
+            self.bench_python = peers.ensure_bench_venv(self.workdir / "bench-venv.log")
+        elif self.args.profile:
+            with contextlib.suppress(Exception):
+                self.bench_python = peers.ensure_bench_venv(self.workdir / "bench-venv.log")
+        self.start_upstream()
+        if only & {"a", "b", "c"}:
+            for name in names:
+                self.log(f"{name}:")
+                self.measure_target(name, only)
+        if "e" in only:
+            for name in names:
+                if name in RELAYS:
+                    self.log(f"{RELAYS[name][0]} memory and idle workers:")
+                    self.memory(name)

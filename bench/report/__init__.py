@@ -1,0 +1,38 @@
+"""Turns a run's results into the tables printed and written to ``docs/BENCHMARKS.md``.
+
+- :mod:`bench.report.table`: labels, cells, Markdown tables, CPU share and per-unit cost;
+- :mod:`bench.report.goals`: the performance targets, met or not;
+- :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
+- :mod:`bench.report.sections`: (a) to (e);
+- :mod:`bench.report.notes`: caveats and daphne against uvicorn;
+- :mod:`bench.report.profiles`: the py-spy profiles;
+- :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.report import goals, ratios, sections
+
+LEGEND = (
+    "CPU columns are shares of one core over the measured window, from `/proc/<pid>/stat`: "
+    "*target* is the process under test (ModelRelay's server process, LiteLLM, nginx); *rig* "
+    "is the load generator, the fake upstream and ModelRelay's worker.py processes (which "
+    "run on the GPU boxes in a deployment); *other* is everything else the machine ran "
+    "meanwhile (other users' work), which perturbs the figures when it is large."
+)
+
+
+def tables(res: dict[str, Any]) -> str:
+    parts = [
+        [LEGEND, ""],
+        goals.goals_table(res),
+        ratios.ratios(res),
+        sections.throughput(res),
+        sections.latency(res),
+        sections.streaming(res),
+        sections.cpu(res),
+        sections.memory(res),
+    ]
+    return "\n".join(line for part in parts for line in part)
