@@ -140,9 +140,10 @@ def _cost(
     )
     if d > 1.2 * u and ld[DAPHNE] > ld[OURS]:
         text += (
-            f" **daphne is the limit here**: daphne, Twisted and autobahn are most of the "
-            f"server's CPU per {unit}, more than the relay code, and the same code under "
-            f"uvicorn needs {100 * (1 - u / d):.0f} % less CPU."
+            f" **daphne is the limit here**: daphne, Twisted and autobahn are the largest "
+            f"part of the server's CPU per {unit}, {ld[DAPHNE] / max(ld[OURS], 0.1):.1f}x the "
+            f"relay code's, and the same code under uvicorn needs {100 * (1 - u / d):.0f} % "
+            "less CPU."
         )
     else:
         text += " daphne is not what limits the server's CPU cost here."
