@@ -138,7 +138,7 @@ def _cost(
         f"httptools and {lu[OURS]:.0f} % in ModelRelay's code (about "
         f"{u * lu[UVICORN_LAYER] / 100:.0f} µs and {u * lu[OURS] / 100:.0f} µs)."
     )
-    if d > 1.2 * u and ld[DAPHNE] > ld[OURS]:
+    if d > 1.2 * u and ld[DAPHNE] >= max(ld.values()):
         text += (
             f" **daphne is the limit here**: daphne, Twisted and autobahn are the largest "
             f"part of the server's CPU per {unit}, {ld[DAPHNE] / max(ld[OURS], 0.1):.1f}x the "
