@@ -50,7 +50,7 @@ RUN_LIMIT_SECS = 20 * 60
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="ModelRelay benchmarks against its peers.")
-    p.add_argument("--quick", action="store_true", help="reduced pass (~3 min)")
+    p.add_argument("--quick", action="store_true", help="reduced pass (~2.5 min)")
     p.add_argument("--only", default="", help="scenarios to run: a,b,c,d,e (d = a + c)")
     p.add_argument(
         "--targets", default=",".join(ALL_TARGETS), help="comma list of " + ",".join(ALL_TARGETS)
