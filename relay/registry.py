@@ -98,9 +98,6 @@ class Worker:
     def has_capacity(self) -> bool:
         return not self.draining and self.load < self.max_concurrent
 
-    def serves(self, model: str) -> bool:
-        return model in self.model_set
-
 
 class Registry:
     """Workers by id, indexed by ``(provider, model)`` for O(candidates) selection."""
