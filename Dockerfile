@@ -35,8 +35,9 @@ RUN useradd --system --user-group --uid 10001 --no-create-home \
 COPY --from=worker-deps /opt/venv /opt/venv
 WORKDIR /app
 COPY requirements-worker.txt worker.py ./
-COPY relay/__init__.py relay/backend.py relay/errors.py relay/headers.py relay/network.py \
-     relay/protocol.py relay/session.py relay/sse.py relay/usage.py relay/workerconfig.py ./relay/
+COPY relay/__init__.py ./relay/
+COPY relay/wire ./relay/wire
+COPY relay/worker ./relay/worker
 USER modelrelay:modelrelay
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["python", "worker.py"]

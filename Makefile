@@ -29,12 +29,12 @@ nginx:
 # The ORM and end-to-end tests run a second time against PostgreSQL (127.0.0.1:5432,
 # database "test"); without a reachable server that pass is skipped, except in CI.
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
-PG_TESTS := tests/test_worker_socket.py tests/test_http_api.py tests/test_keys.py \
-	tests/test_admin_api.py tests/test_commands.py tests/test_live_relay.py tests/test_cluster.py \
-	tests/test_e2e.py tests/test_pages.py
+PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tests/test_keys.py \
+	tests/server/test_admin_api.py tests/test_commands.py tests/server/test_live_relay.py \
+	tests/server/test_cluster.py tests/test_e2e.py tests/pages/test_pages.py
 
 # The live tests run once more under the alternative server, manage.py serve --server uvicorn.
-UVICORN_TESTS := tests/test_live_relay.py tests/test_e2e.py tests/test_live_smoke.py
+UVICORN_TESTS := tests/server/test_live_relay.py tests/test_e2e.py tests/test_live_smoke.py
 
 test: $(VENV)/.dev browser nginx
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)

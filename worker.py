@@ -53,11 +53,11 @@ from websockets.client import process_exception as websockets_process_exception
 from websockets.exceptions import InvalidHandshake
 
 from relay import __version__
-from relay.backend import Backend, BackendNotReady
-from relay.errors import describe
-from relay.protocol import ModelsUpdate
-from relay.session import Session
-from relay.workerconfig import Config, parse_config
+from relay.wire.errors import describe
+from relay.wire.protocol import ModelsUpdate
+from relay.worker.backend import Backend, BackendNotReady
+from relay.worker.config import Config, parse_config
+from relay.worker.session import Session
 
 log = logging.getLogger("modelrelay.worker")
 
@@ -85,8 +85,8 @@ class Backoff:
 class Worker:
     """The worker's life: wait for the backend, connect, serve, reconnect, drain.
 
-    Each connection is served by a :class:`relay.session.Session`, which sees this
-    object through :class:`relay.session.Owner`.
+    Each connection is served by a :class:`relay.worker.session.Session`, which sees this
+    object through :class:`relay.worker.session.Owner`.
     """
 
     def __init__(self, config: Config) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
-from relay.credentials import generate_secret, hash_secret, lookup_prefix
+from relay.core.credentials import generate_secret, hash_secret, lookup_prefix
 
 
 class ApiKey(models.Model):

@@ -1,6 +1,6 @@
 """ASGI entry point: ``daphne modelrelay_site.asgi:application``.
 
-HTTP: the relay's hot-path routes are answered by :class:`relay.http.RelayHttpApp`
+HTTP: the relay's hot-path routes are answered by :class:`relay.server.http.RelayHttpApp`
 before Django is involved; everything else goes to Django.
 WebSocket: ``/v1/worker/connect`` is the worker endpoint. It is deliberately not
 wrapped in ``AllowedHostsOriginValidator``: workers send no ``Origin`` header.
@@ -18,9 +18,9 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
 from modelrelay_site import daphne_compat  # noqa: E402
-from relay.consumers import WorkerConsumer  # noqa: E402
-from relay.http import RelayHttpApp  # noqa: E402
-from relay.rejecting import RejectingConsumer  # noqa: E402
+from relay.server.consumers import WorkerConsumer  # noqa: E402
+from relay.server.http import RelayHttpApp  # noqa: E402
+from relay.server.rejecting import RejectingConsumer  # noqa: E402
 
 daphne_compat.install()
 

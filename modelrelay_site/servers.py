@@ -18,7 +18,7 @@ from typing import Any
 
 from django.conf import settings
 
-from relay import runtime
+from relay.server import runtime
 
 logger = logging.getLogger("relay.serve")
 

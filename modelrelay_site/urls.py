@@ -1,8 +1,8 @@
 from django.contrib import admin
 from django.urls import path
 
-from relay import pages, wizard
-from relay.api import api
+from relay.pages import dashboard, wizard
+from relay.server.admin_api import api
 
 admin.site.site_header = "ModelRelay"
 admin.site.site_title = "ModelRelay admin"
@@ -11,12 +11,12 @@ admin.site.index_title = "Operations"
 urlpatterns = [
     path("admin/", api.urls),
     path("django-admin/", admin.site.urls),
-    path("", pages.home, name="home"),
-    path("dashboard", pages.dashboard, name="dashboard"),
-    path("dashboard/events", pages.events, name="dashboard-events"),
+    path("", dashboard.home, name="home"),
+    path("dashboard", dashboard.dashboard, name="dashboard"),
+    path("dashboard/events", dashboard.events, name="dashboard-events"),
     path(
         "dashboard/workers/<str:worker_id>/<str:action>",
-        pages.worker_action,
+        dashboard.worker_action,
         name="dashboard-worker-action",
     ),
     path("setup", wizard.start, name="setup"),

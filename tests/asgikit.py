@@ -15,7 +15,7 @@ from typing import Any
 from asgiref.testing import ApplicationCommunicator
 from channels.testing import WebsocketCommunicator
 
-from relay import protocol
+from relay.wire import protocol
 
 SECRET = "mrw_asgi-test-secret"
 

@@ -86,7 +86,7 @@ def relay_server(tmp_path: Path) -> Iterator[LiveServer]:
 @pytest.fixture
 async def fresh_runtime() -> AsyncIterator[None]:
     """Give the test its own relay runtime and tear it down afterwards."""
-    from relay import runtime
+    from relay.server import runtime
 
     await runtime.reset()
     yield

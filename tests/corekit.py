@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from relay import protocol
-from relay.config import ProviderPolicy, RelayConfig
-from relay.dispatch import Relay
-from relay.registry import Worker
-from relay.request import RelayRequest
+from relay.core.config import ProviderPolicy, RelayConfig
+from relay.core.dispatch import Relay
+from relay.core.registry import Worker
+from relay.core.request import RelayRequest
+from relay.wire import protocol
 
 FAST = RelayConfig(
     max_queue_len=10,

@@ -11,9 +11,9 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from keys.models import ApiKey
-from relay import protocol
+from relay.wire import protocol
 from tests.live import ROOT
-from tests.test_live_relay import closed, connect, expect, register
+from tests.rawworker import closed, connect, expect, register
 from workers_app.models import Provider
 
 

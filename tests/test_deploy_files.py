@@ -168,7 +168,12 @@ def test_the_worker_target_holds_everything_worker_py_needs(tmp_path):
     assert not any(f.startswith("manage") or f in (".", "relay/") for f in files), files
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / name, tmp_path / name)
+        if (ROOT / name).is_dir():
+            shutil.copytree(
+                ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            shutil.copy(ROOT / name, tmp_path / name)
     # Only the copied files are importable from there (the venv has no path to the repo).
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DJANGO_SETTINGS_MODULE")}
     result = subprocess.run(

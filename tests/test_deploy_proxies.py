@@ -24,10 +24,10 @@ import httpx
 import pytest
 import websockets
 
-from relay import protocol
+from relay.wire import protocol
 from tests.conftest import IN_CI
 from tests.live import ROOT, LiveServer
-from tests.test_live_relay import closed, expect
+from tests.rawworker import closed, expect
 
 DEPLOY = ROOT / "deploy"
 NGINX_CONF = DEPLOY / "nginx.conf"

@@ -1,51 +1,137 @@
-"""The relay core and the worker run without Django."""
+"""Imports go one way: worker -> wire; core -> wire; server -> core -> wire; pages -> server.
+
+Two checks: a static one over every module's import statements (including imports
+inside functions and ``TYPE_CHECKING`` blocks, so no circle can hide behind a lazy
+import), and a live one importing each package in a fresh interpreter and looking at
+what got loaded (no Django for the worker and the core).
+"""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+RELAY = ROOT / "relay"
 
-CORE = [
-    "relay",
-    "relay.config",
-    "relay.protocol",
-    "relay.errors",
-    "relay.registry",
-    "relay.queue",
-    "relay.request",
-    "relay.dispatch",
-    "relay.fleet",
-    "relay.sse",
-    "relay.headers",
-    "relay.ratelimit",
-    "relay.stats",
-    "relay.credentials",
-    "relay.cors",
-    "relay.timeline",
-    "relay.recipes",
-    "relay.bundle",
-    "relay.workerconfig",
-    "relay.usage",
-    "relay.backend",
-    "relay.network",
-    "relay.session",
-]
+#: What each package may import of ours (besides itself and ``relay``'s version).
+ALLOWED: dict[str, set[str]] = {
+    "wire": set(),
+    "worker": {"wire"},
+    "core": {"wire"},
+    "server": {"core", "wire"},
+    "pages": {"server", "core", "wire"},
+}
+#: Our Django apps and site: only the edges may use them.
+DJANGO_SIDE = {"django", "channels", "daphne", "asgiref", "ninja", "workers_app", "keys"}
+DJANGO_FREE = {"wire", "worker", "core"}
 
 
-def test_core_and_worker_import_no_django():
+def relay_imports(path: Path) -> set[str]:
+    """Every ``relay.<package>`` and Django-side top-level name ``path`` imports anywhere."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+            if node.module == "relay":
+                names = [f"relay.{alias.name}" for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "relay" and len(parts) > 1 and parts[1] != "__version__":
+                found.add(parts[1])
+            elif parts[0] in DJANGO_SIDE:
+                found.add(parts[0])
+    return found
+
+
+def test_every_relay_module_lives_in_a_package():
+    assert sorted(p.name for p in RELAY.glob("*.py")) == ["__init__.py"]
+    assert {p.name for p in RELAY.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
+        ALLOWED
+    )
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_point_only_down_the_layers(package):
+    problems = []
+    for path in sorted((RELAY / package).rglob("*.py")):
+        for target in relay_imports(path) - {package}:
+            if target in ALLOWED and target not in ALLOWED[package]:
+                problems.append(f"{path.relative_to(ROOT)} imports relay.{target}")
+            elif target in DJANGO_SIDE and package in DJANGO_FREE:
+                problems.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert problems == []
+
+
+def test_worker_py_imports_only_the_shipped_packages():
+    assert relay_imports(ROOT / "worker.py") <= {"wire", "worker"}
+
+
+def loaded_after_importing(modules: list[str], *, django: bool = False) -> set[str]:
+    """The module names loaded in a fresh interpreter after importing ``modules``."""
+    setup = (
+        "import os, django\n"
+        "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'modelrelay_site.settings')\n"
+        "django.setup()\n"
+        "before = set(sys.modules)\n"
+        if django
+        else "before = set()\n"
+    )
     code = (
-        "import importlib, sys\n"
-        f"for name in {CORE!r} + ['worker']:\n"
+        "import importlib, sys\n" + setup + f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
-        "prefixes = ('django', 'channels', 'daphne')\n"
-        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in prefixes)\n"
-        "print(','.join(loaded))\n"
+        "print('\\n'.join(sorted(set(sys.modules) - before)))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ""
+    return set(result.stdout.split())
+
+
+def modules_of(package: str) -> list[str]:
+    return sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for p in (RELAY / package).rglob("*.py")
+    )
+
+
+def ours(loaded: set[str], package: str) -> set[str]:
+    return {m for m in loaded if m == f"relay.{package}" or m.startswith(f"relay.{package}.")}
+
+
+def django_side(loaded: set[str]) -> set[str]:
+    return {m for m in loaded if m.split(".")[0] in DJANGO_SIDE}
+
+
+def test_the_worker_program_loads_only_the_wire_and_worker_packages_and_no_django():
+    loaded = loaded_after_importing(["worker", *modules_of("worker")])
+    assert django_side(loaded) == set()
+    for package in ("core", "server", "pages"):
+        assert ours(loaded, package) == set(), package
+
+
+def test_the_wire_loads_nothing_else_of_ours():
+    loaded = loaded_after_importing(modules_of("wire"))
+    assert {m for m in loaded if m.startswith("relay.")} <= set(modules_of("wire")) | {"relay"}
+    assert django_side(loaded) == set()
+
+
+def test_the_core_loads_no_django_and_no_edges():
+    loaded = loaded_after_importing(modules_of("core"))
+    assert django_side(loaded) == set()
+    for package in ("server", "pages", "worker"):
+        assert ours(loaded, package) == set(), package
+
+
+def test_the_server_edges_load_neither_the_pages_nor_the_worker():
+    loaded = loaded_after_importing(modules_of("server"), django=True)
+    assert ours(loaded, "pages") == set()
+    assert ours(loaded, "worker") == set()

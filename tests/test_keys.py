@@ -9,9 +9,10 @@ from asgiref.sync import sync_to_async
 
 from keys.models import ApiKey
 from keys.services import create_key, revoke_key
-from relay import protocol, runtime
-from relay.errors import Unauthorized
-from relay.keycache import KeyCache, KnownKey
+from relay.core.keycache import KeyCache, KnownKey
+from relay.server import runtime
+from relay.wire import protocol
+from relay.wire.errors import Unauthorized
 from tests.asgikit import FakeWorker, HttpCall, chat, make_provider
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -29,7 +30,7 @@ def bearer(secret: str) -> list[tuple[bytes, bytes]]:
 
 
 def test_the_cache_checks_prefix_and_hmac():
-    from relay.credentials import hash_secret
+    from relay.core.credentials import hash_secret
 
     cache = KeyCache("pepper")
     secret = "mrk_abcdefgh12345678"

@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
-from relay import runtime
+from relay.server import runtime
 from workers_app.models import ConnectedWorker, Provider, RequestLog, WorkerSession
 
 

@@ -9,7 +9,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
-from relay.credentials import generate_secret, hash_secret, lookup_prefix, verify_secret
+from relay.core.credentials import generate_secret, hash_secret, lookup_prefix, verify_secret
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

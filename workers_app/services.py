@@ -11,8 +11,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from modelrelay_site.env import persisted_secret
-from relay.config import ProviderPolicy, RelayConfig
-from relay.credentials import hash_secret
+from relay.core.config import ProviderPolicy, RelayConfig
+from relay.core.credentials import hash_secret
 from workers_app.models import Provider, SiteState, WorkerSession
 
 logger = logging.getLogger("relay.providers")

@@ -1,0 +1,79 @@
+"""Typed, frozen configuration handed to the relay core.
+
+The Django edge builds a :class:`RelayConfig` from settings once; each provider row
+becomes a :class:`ProviderPolicy` whose ``None`` overrides fall back to the config.
+Tests build these directly with sub-second timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from relay.wire.protocol import ACCEPTED_PROTOCOL_VERSIONS
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    max_queue_len: int = 100
+    queue_timeout: float = 30.0
+    request_timeout: float = 300.0
+    heartbeat_interval: float = 15.0
+    heartbeat_timeout: float = 45.0
+    register_timeout: float = 10.0
+    max_requeue_count: int = 3
+    max_models_per_worker: int = 256
+    max_model_name_len: int = 256
+    max_worker_name_len: int = 128
+    max_concurrent_cap: int = 4096
+    max_message_bytes: int = 64 * MIB
+    max_stream_bytes: int = 256 * MIB
+    max_request_bytes: int = 32 * MIB
+    model_memory: float = 600.0
+    drain_timeout: float = 300.0
+    shutdown_grace: float = 30.0
+    accepted_protocol_versions: frozenset[str] = ACCEPTED_PROTOCOL_VERSIONS
+    require_protocol_version: bool = False
+    #: How many finished-request records are kept for the request log writer.
+    record_buffer: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderPolicy:
+    """A provider as the core sees it: routing switches and effective limits."""
+
+    name: str
+    enabled: bool = True
+    declared_models: frozenset[str] = field(default_factory=frozenset)
+    max_queue_len: int = 100
+    queue_timeout: float = 30.0
+    request_timeout: float = 300.0
+    max_models_per_worker: int = 256
+
+    @classmethod
+    def from_overrides(
+        cls,
+        config: RelayConfig,
+        name: str,
+        *,
+        enabled: bool = True,
+        declared_models: frozenset[str] | None = None,
+        max_queue_len: int | None = None,
+        queue_timeout: float | None = None,
+        request_timeout: float | None = None,
+        max_models_per_worker: int | None = None,
+    ) -> ProviderPolicy:
+        return cls(
+            name=name,
+            enabled=enabled,
+            declared_models=declared_models or frozenset(),
+            max_queue_len=config.max_queue_len if max_queue_len is None else max_queue_len,
+            queue_timeout=config.queue_timeout if queue_timeout is None else queue_timeout,
+            request_timeout=config.request_timeout if request_timeout is None else request_timeout,
+            max_models_per_worker=(
+                config.max_models_per_worker
+                if max_models_per_worker is None
+                else max_models_per_worker
+            ),
+        )

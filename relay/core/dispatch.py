@@ -1,0 +1,434 @@
+"""The relay core: admission, routing, the wait queue, deadlines and cancellation.
+
+One :class:`Relay` per server process. Every method is synchronous and runs on the
+event loop, so each decision (pick a worker and reserve its slot, dequeue and
+assign, free a slot and hand it on) is atomic with respect to every other: there is
+no ``await`` between looking and acting.
+
+Request lifecycle::
+
+    submit ─► QUEUED ──(capacity appears)──► ASSIGNED ──► DONE
+                │  ▲                             │
+                │  └──── worker lost, nothing ◄──┘
+                │        delivered yet (requeue)
+                └──► DONE (queue timeout, cancel, provider disabled/deleted)
+
+Every request has exactly one timer armed: its queue deadline while queued, its
+lifetime deadline while assigned. Nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Iterable
+
+from relay.core.config import ProviderPolicy, RelayConfig
+from relay.core.fleet import Fleet
+from relay.core.queue import ProviderQueue
+from relay.core.registry import Registry, Worker
+from relay.core.request import CANCELLED, Completion, Phase, RelayRequest
+from relay.core.stats import RelayStats, RequestRecord
+from relay.wire import protocol
+from relay.wire.errors import (
+    Flavor,
+    ModelNotFound,
+    ProviderDisabled,
+    ProviderGone,
+    QueueFull,
+    QueueTimeout,
+    RelayError,
+    RequestTimeout,
+    ShuttingDown,
+)
+from relay.wire.protocol import CancelReason
+
+logger = logging.getLogger("relay")
+
+Observer = Callable[[RequestRecord], None]
+
+
+class ProviderState:
+    __slots__ = ("policy", "queue", "touched")
+
+    def __init__(self, policy: ProviderPolicy, touched: float) -> None:
+        self.policy = policy
+        self.queue = ProviderQueue()
+        self.touched = touched
+
+
+class Relay(Fleet):
+    def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        self.instance = instance or secrets.token_hex(2)
+        self.registry = Registry(model_memory=config.model_memory)
+        self.providers: dict[str, ProviderState] = {}
+        self.stats = RelayStats()
+        self.observers: list[Observer] = [self.stats.observe]
+        self.started_wall = time.time()
+        self.shutting_down = False
+        self.active = 0
+        self._seq = 0
+        self._idle = asyncio.Event()
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._drain_timers: dict[str, asyncio.TimerHandle] = {}
+
+    # ------------------------------------------------------------------ providers
+
+    def set_provider(self, policy: ProviderPolicy) -> None:
+        """Create or update a provider; disabling fails its queue and closes its workers."""
+        state = self.providers.get(policy.name)
+        if state is None:
+            self.providers[policy.name] = ProviderState(policy, self.loop.time())
+        else:
+            state.policy = policy
+            state.touched = self.loop.time()
+        if not policy.enabled:
+            self._evict_provider(policy.name, ProviderDisabled, "provider disabled")
+
+    def sync_providers(self, policies: Iterable[ProviderPolicy], *, as_of: float) -> None:
+        """Replace the provider set with a snapshot read at loop time ``as_of``.
+
+        Providers touched after the snapshot was taken (a worker authenticated
+        against a row created meanwhile) are kept: the snapshot is older than them.
+        """
+        seen = set()
+        for policy in policies:
+            seen.add(policy.name)
+            current = self.providers.get(policy.name)
+            if current is None or current.policy != policy:
+                self.set_provider(policy)
+        for name in [n for n, s in self.providers.items() if n not in seen and s.touched < as_of]:
+            self.remove_provider(name)
+
+    def remove_provider(self, name: str) -> None:
+        """The provider was deleted: its queue fails and its workers are closed."""
+        self._evict_provider(name, ProviderGone, "provider deleted")
+        self.providers.pop(name, None)
+        self.registry.forget_provider(name)
+
+    def _evict_provider(self, name: str, error: type[RelayError], reason: str) -> None:
+        state = self.providers.get(name)
+        if state is not None:
+            for request in state.queue.drain():
+                self._finish(request, error())
+        for worker in self.registry.of_provider(name):
+            self.close_worker(worker, 1008, reason)
+
+    def _candidates(self, model: str) -> list[ProviderState]:
+        """Enabled providers that can serve ``model``, best first; raises when none.
+
+        Preference: a connected worker advertises it, then the provider declares it,
+        then a worker advertised it within ``model_memory``.
+        """
+        now = self.loop.time()
+        ranked: list[tuple[int, str, ProviderState]] = []
+        disabled = False
+        for name, state in self.providers.items():
+            if self.registry.serving(name, model):
+                rank = 0
+            elif model in state.policy.declared_models:
+                rank = 1
+            elif self.registry.remembers(name, model, now):
+                rank = 2
+            else:
+                continue
+            if not state.policy.enabled:
+                disabled = True
+                continue
+            ranked.append((rank, name, state))
+        if not ranked:
+            if disabled:
+                raise ProviderDisabled()
+            raise ModelNotFound(model)
+        ranked.sort(key=lambda item: (item[0], item[1]))
+        return [state for _, _, state in ranked]
+
+    def routable_models(self) -> dict[str, set[str]]:
+        """Models a request could be routed for now: model -> providers."""
+        out: dict[str, set[str]] = {}
+        for name, state in self.providers.items():
+            if not state.policy.enabled:
+                continue
+            for model in state.policy.declared_models:
+                out.setdefault(model, set()).add(name)
+        for model, names in self.registry.models().items():
+            for name in names:
+                live = self.providers.get(name)
+                if live is not None and live.policy.enabled:
+                    out.setdefault(model, set()).add(name)
+        return out
+
+    def queue_depth(self, provider: str | None = None) -> int:
+        if provider is not None:
+            state = self.providers.get(provider)
+            return len(state.queue) if state else 0
+        return sum(len(s.queue) for s in self.providers.values())
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        *,
+        model: str,
+        endpoint_path: str,
+        flavor: Flavor,
+        is_streaming: bool,
+        body: str,
+        headers: dict[str, str],
+        key_id: int | None = None,
+    ) -> RelayRequest:
+        """Admit a client request: assign it now, queue it, or raise a RelayError."""
+        try:
+            if self.shutting_down:
+                raise ShuttingDown()
+            candidates = self._candidates(model)
+        except RelayError as exc:
+            self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+            raise
+        now = self.loop.time()
+        self._seq += 1
+        primary = candidates[0]
+        request = RelayRequest(
+            id=f"r-{self.instance}-{self._seq:x}",
+            seq=self._seq,
+            provider=primary.policy.name,
+            model=model,
+            endpoint_path=endpoint_path,
+            flavor=flavor,
+            is_streaming=is_streaming,
+            body=body,
+            headers=headers,
+            key_id=key_id,
+            created_wall=time.time(),
+            now=now,
+            deadline=now + primary.policy.request_timeout,
+        )
+        for state in candidates:
+            worker = self.registry.select(state.policy.name, model)
+            if worker is not None:
+                request.provider = state.policy.name
+                self.active += 1
+                self._assign(request, worker, now)
+                return request
+        if len(primary.queue) >= primary.policy.max_queue_len:
+            logger.warning("queue full: provider=%s model=%s", primary.policy.name, model)
+            full = QueueFull()
+            self.record_rejection(full, model, endpoint_path, is_streaming, key_id)
+            raise full
+        self.active += 1
+        self._enqueue(primary, request, now)
+        return request
+
+    def cancel(self, request: RelayRequest, reason: CancelReason = "client_disconnect") -> None:
+        """End ``request`` because its client left (or the edge gave up on it).
+
+        Queued: removed, no worker ever hears of it. In flight: one ``cancel`` is sent
+        and the worker's slot is free again before this returns.
+        """
+        if request.phase is Phase.DONE:
+            return
+        if request.phase is Phase.QUEUED:
+            state = self.providers.get(request.provider)
+            if state is not None:
+                state.queue.remove(request)
+        else:
+            self._abandon(request, reason)
+        self.stats.cancels[reason] += 1
+        self._finish(request, CANCELLED, outcome="cancelled", cancel_reason=reason)
+
+    def _enqueue(self, state: ProviderState, request: RelayRequest, now: float) -> None:
+        request.phase = Phase.QUEUED
+        request.worker = None
+        request.enqueued_at = now
+        request.queue_deadline = min(now + state.policy.queue_timeout, request.deadline)
+        state.queue.push(request)
+        self._arm(request, request.queue_deadline)
+
+    def _assign(self, request: RelayRequest, worker: Worker, now: float) -> None:
+        if request.enqueued_at is not None:
+            request.queue_wait += now - request.enqueued_at
+            request.enqueued_at = None
+        request.phase = Phase.ASSIGNED
+        request.worker = worker
+        request.worker_id = worker.id
+        request.worker_name = worker.name
+        worker.in_flight[request.id] = request
+        worker.link.send(
+            protocol.encode(
+                protocol.Request(
+                    request_id=request.id,
+                    model=request.model,
+                    endpoint_path=request.endpoint_path,
+                    is_streaming=request.is_streaming,
+                    body=request.body,
+                    headers=request.headers,
+                )
+            )
+        )
+        logger.debug("request dispatched: %s -> %s (%s)", request.id, worker.name, worker.id)
+        self._arm(request, request.deadline)
+
+    def _abandon(self, request: RelayRequest, reason: CancelReason) -> None:
+        """Take an assigned request away from its worker and tell the worker."""
+        worker = request.worker
+        if worker is None:
+            return
+        worker.in_flight.pop(request.id, None)
+        request.worker = None
+        if worker.attached:
+            worker.link.send(protocol.encode(protocol.Cancel(request_id=request.id, reason=reason)))
+            self._freed(worker)
+
+    def _arm(self, request: RelayRequest, when: float) -> None:
+        if request.timer is not None:
+            request.timer.cancel()
+        request.timer = self.loop.call_at(when, self._expire, request)
+
+    def _expire(self, request: RelayRequest) -> None:
+        request.timer = None
+        if request.phase is Phase.QUEUED:
+            state = self.providers.get(request.provider)
+            if state is not None:
+                state.queue.remove(request)
+            if request.queue_deadline < request.deadline:
+                logger.info("queue timeout: %s model=%s", request.id, request.model)
+                self._finish(request, QueueTimeout())
+            else:
+                self._finish(request, RequestTimeout())
+        elif request.phase is Phase.ASSIGNED:
+            logger.info("request timeout: %s on %s", request.id, request.worker_name)
+            self._abandon(request, "timeout")
+            self.stats.cancels["timeout"] += 1
+            self._finish(request, RequestTimeout())
+
+    def _finish(
+        self,
+        request: RelayRequest,
+        result: Completion | RelayError | object,
+        *,
+        outcome: str | None = None,
+        cancel_reason: str | None = None,
+    ) -> None:
+        if request.phase is Phase.DONE:
+            return
+        request.phase = Phase.DONE
+        if request.timer is not None:
+            request.timer.cancel()
+            request.timer = None
+        now = self.loop.time()
+        request.finished_at = now
+        if request.enqueued_at is not None:
+            request.queue_wait += now - request.enqueued_at
+            request.enqueued_at = None
+        if isinstance(result, Completion):
+            request.status = result.status
+            request.outcome = outcome or ("ok" if result.status < 400 else "upstream_error")
+            if request.first_byte_at is None:
+                request.first_byte_at = now
+        elif isinstance(result, RelayError):
+            request.status = result.status
+            request.outcome = outcome or result.outcome
+        else:
+            request.status = 499
+            request.outcome = outcome or "cancelled"
+        request.body = ""
+        request.buffer = []
+        request.push(result)  # type: ignore[arg-type]
+        self.active -= 1
+        if self.shutting_down and self.active <= 0:
+            self._idle.set()
+        self._record(request, cancel_reason)
+
+    def _record(self, request: RelayRequest, cancel_reason: str | None) -> None:
+        self._notify(request.record(cancel_reason))
+
+    def record_rejection(
+        self, exc: RelayError, model: str, endpoint: str, streamed: bool, key_id: int | None
+    ) -> None:
+        """Count a request refused before admission (bad input, auth, 404, 429, 503)."""
+        self._notify(
+            RequestRecord.rejected(
+                status=exc.status,
+                outcome=exc.outcome,
+                model=model,
+                endpoint=endpoint,
+                streamed=streamed,
+                key_id=key_id,
+            )
+        )
+
+    def _notify(self, record: RequestRecord) -> None:
+        for observer in self.observers:
+            try:
+                observer(record)
+            except Exception:  # an observer must never break the request path
+                logger.exception("request observer failed")
+
+    # ------------------------------------------------------------------ capacity
+
+    def _freed(self, worker: Worker) -> None:
+        """A slot on ``worker`` may have opened: close it if drained, else feed it."""
+        if not worker.attached:
+            return
+        if worker.draining:
+            if not worker.in_flight:
+                self.close_worker(worker, 1000, "worker drained")
+            return
+        self._feed(worker)
+
+    def _feed(self, worker: Worker) -> None:
+        """Hand the oldest compatible queued requests to ``worker`` while it has room."""
+        state = self.providers.get(worker.provider)
+        if state is None or not state.queue:
+            return
+        now = self.loop.time()
+        while worker.has_capacity:
+            request = state.queue.next_for(worker.model_set)
+            if request is None:
+                return
+            state.queue.remove(request)
+            self._assign(request, worker, now)
+
+    def _dispatch_queue(self, state: ProviderState) -> None:
+        """Place queued requests on any worker with room (after requeues)."""
+        now = self.loop.time()
+        for request in state.queue:
+            worker = self.registry.select(state.policy.name, request.model)
+            if worker is not None:
+                state.queue.remove(request)
+                self._assign(request, worker, now)
+
+    async def shutdown(self, grace: float | None = None) -> None:
+        """Stop admitting, let in-flight and queued work finish, then close workers 1012."""
+        self.shutting_down = True
+        grace = self.config.shutdown_grace if grace is None else grace
+        if self.active > 0:
+            self._idle.clear()
+            try:
+                async with asyncio.timeout(grace):
+                    await self._idle.wait()
+            except TimeoutError:
+                logger.warning("shutdown grace over with %d request(s) unfinished", self.active)
+        for state in self.providers.values():
+            for request in state.queue.drain():
+                self._finish(request, ShuttingDown())
+        for worker in list(self.registry.workers.values()):
+            self.close_worker(worker, 1012, "server restarting")
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Cancel the core's own tasks and timers (tests, shutdown)."""
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for timer in self._drain_timers.values():
+            timer.cancel()
+        self._drain_timers.clear()

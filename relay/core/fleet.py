@@ -1,0 +1,332 @@
+"""The worker side of the relay: registration, frames from workers, loss, drain, heartbeat.
+
+:class:`Fleet` is a mixin of :class:`relay.core.dispatch.Relay`; it is kept apart so each
+module stays readable. Like the rest of the core, every method is synchronous and
+runs on the event loop, so each decision is atomic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import TYPE_CHECKING
+
+from relay.core.registry import Worker, WorkerLink, next_worker_id, sanitize_models
+from relay.core.request import Completion, RelayRequest
+from relay.wire import protocol
+from relay.wire.errors import (
+    ProviderDisabled,
+    ProviderGone,
+    RelayError,
+    RequestTimeout,
+    RequeueExhausted,
+    ShuttingDown,
+    StreamTooLarge,
+    WorkerFailed,
+    WorkerLost,
+)
+
+if TYPE_CHECKING:
+    from relay.core.config import RelayConfig
+    from relay.core.dispatch import ProviderState
+    from relay.core.registry import Registry
+    from relay.core.stats import RelayStats
+    from relay.wire.protocol import CancelReason
+
+logger = logging.getLogger("relay")
+
+
+class Fleet:
+    # Provided by Relay (see relay.dispatch).
+    if TYPE_CHECKING:
+        config: RelayConfig
+        loop: asyncio.AbstractEventLoop
+        instance: str
+        registry: Registry
+        providers: dict[str, ProviderState]
+        stats: RelayStats
+        shutting_down: bool
+        _drain_timers: dict[str, asyncio.TimerHandle]
+        _heartbeat_task: asyncio.Task[None] | None
+
+        def _finish(
+            self,
+            request: RelayRequest,
+            result: Completion | RelayError | object,
+            *,
+            outcome: str | None = ...,
+            cancel_reason: str | None = ...,
+        ) -> None: ...
+        def _enqueue(self, state: ProviderState, request: RelayRequest, now: float) -> None: ...
+        def _abandon(self, request: RelayRequest, reason: CancelReason) -> None: ...
+        def _freed(self, worker: Worker) -> None: ...
+        def _feed(self, worker: Worker) -> None: ...
+        def _dispatch_queue(self, state: ProviderState) -> None: ...
+
+    def attach_worker(
+        self,
+        *,
+        provider: str,
+        name: str,
+        models: list[str],
+        max_concurrent: int,
+        current_load: int,
+        link: WorkerLink,
+        peer: str = "",
+        protocol_version: str | None = None,
+    ) -> tuple[Worker, list[str]]:
+        """Register a worker; returns it and the warnings for its ``register_ack``.
+
+        The caller sends the ack (with ``worker.models``) before anything else can be
+        dispatched to it: this method only queues frames on the link, in order.
+        """
+        state = self.providers.get(provider)
+        cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
+        accepted, warnings = sanitize_models(
+            models, cap=cap, max_len=self.config.max_model_name_len
+        )
+        clean_name = name.strip()[: self.config.max_worker_name_len] or "worker"
+        if clean_name != name:
+            warnings.append("worker name was trimmed or shortened")
+        concurrency = min(max_concurrent, self.config.max_concurrent_cap)
+        if concurrency != max_concurrent:
+            warnings.append(f"max_concurrent capped at {concurrency}")
+        now = self.loop.time()
+        worker = Worker(
+            id=next_worker_id(self.instance),
+            provider=provider,
+            name=clean_name,
+            models=tuple(accepted),
+            max_concurrent=concurrency,
+            link=link,
+            connected_at=now,
+            last_pong=now,
+            reported_load=current_load,
+            peer=peer,
+            protocol_version=protocol_version,
+        )
+        link.send(
+            protocol.encode(
+                protocol.RegisterAck(
+                    worker_id=worker.id,
+                    models=list(worker.models),
+                    protocol_version=protocol.PROTOCOL_VERSION,
+                    warnings=warnings,
+                )
+            )
+        )
+        self.registry.add(worker)
+        logger.info(
+            "worker registered: %s (%s) provider=%s models=%s max_concurrent=%d",
+            worker.name,
+            worker.id,
+            provider,
+            ",".join(worker.models),
+            concurrency,
+        )
+        self._ensure_heartbeat()
+        self._feed(worker)
+        return worker, warnings
+
+    def detach_worker(self, worker: Worker, reason: str) -> None:
+        """The worker is gone: requeue what can be, fail the rest. Idempotent."""
+        if not worker.attached:
+            return
+        self.registry.remove(worker, self.loop.time())
+        timer = self._drain_timers.pop(worker.id, None)
+        if timer is not None:
+            timer.cancel()
+        logger.info("worker disconnected: %s (%s): %s", worker.name, worker.id, reason)
+        orphans = sorted(worker.in_flight.values(), key=lambda r: r.seq)
+        worker.in_flight.clear()
+        touched: set[str] = set()
+        for request in orphans:
+            request.worker = None
+            if self._requeue(request):
+                touched.add(request.provider)
+        for name in touched:
+            state = self.providers.get(name)
+            if state is not None:
+                self._dispatch_queue(state)
+
+    def _requeue(self, request: RelayRequest) -> bool:
+        now = self.loop.time()
+        state = self.providers.get(request.provider)
+        if request.delivered:
+            # Bytes already reached the client: replaying would duplicate output.
+            self._finish(request, WorkerLost())
+        elif state is None:
+            self._finish(request, ProviderGone())
+        elif not state.policy.enabled:
+            self._finish(request, ProviderDisabled())
+        elif self.shutting_down:
+            self._finish(request, ShuttingDown())
+        elif request.requeues >= self.config.max_requeue_count:
+            logger.warning("requeue exhausted: %s after %d attempts", request.id, request.requeues)
+            self._finish(request, RequeueExhausted())
+        elif now >= request.deadline:
+            self._finish(request, RequestTimeout())
+        else:
+            request.requeues += 1
+            request.buffer.clear()
+            request.streamed_bytes = 0
+            self.stats.requeues += 1
+            logger.info("request requeued: %s (attempt %d)", request.id, request.requeues + 1)
+            self._enqueue(state, request, now)
+            return True
+        return False
+
+    def close_worker(self, worker: Worker, code: int, reason: str) -> None:
+        """Close a worker's socket and handle it as gone, right now."""
+        if not worker.attached:
+            return
+        worker.link.close(code, reason)
+        self.detach_worker(worker, reason)
+
+    def on_chunk(self, worker: Worker, request_id: str, chunk: str) -> None:
+        request = worker.in_flight.get(request_id)
+        if request is None:
+            self._stray(worker, "response_chunk", request_id)
+            return
+        data = chunk.encode()
+        request.streamed_bytes += len(data)
+        if request.streamed_bytes > self.config.max_stream_bytes:
+            logger.warning("stream ceiling reached: %s on %s", request.id, worker.name)
+            self._abandon(request, "client_disconnect")
+            self._finish(request, StreamTooLarge())
+            return
+        if request.is_streaming:
+            if not request.delivered:
+                request.delivered = True
+                request.first_byte_at = self.loop.time()
+            request.push(data)
+        else:
+            request.buffer.append(chunk)
+
+    def on_complete(self, worker: Worker, message: protocol.ResponseComplete) -> None:
+        request = worker.in_flight.pop(message.request_id, None)
+        if request is None:
+            self._stray(worker, "response_complete", message.request_id)
+            return
+        request.worker = None
+        worker.requests_served += 1
+        if not 100 <= message.status_code <= 599:
+            logger.warning(
+                "worker %s sent invalid status %r for %s",
+                worker.name,
+                message.status_code,
+                request.id,
+            )
+            self._finish(request, WorkerFailed("The worker returned an invalid response"))
+        else:
+            body = message.body or ""
+            if request.buffer:
+                body = "".join(request.buffer) + body
+            request.token_counts = message.token_counts
+            self._finish(request, Completion(message.status_code, message.headers, body.encode()))
+        self._freed(worker)
+
+    def on_worker_error(self, worker: Worker, message: protocol.Error) -> None:
+        if message.request_id is None:
+            logger.warning("worker %s reported: %s", worker.name, message.message[:500])
+            return
+        request = worker.in_flight.pop(message.request_id, None)
+        if request is None:
+            self._stray(worker, "error", message.request_id)
+            return
+        request.worker = None
+        logger.warning("worker %s failed %s: %s", worker.name, request.id, message.message[:500])
+        self._finish(request, WorkerFailed())
+        self._freed(worker)
+
+    def on_pong(self, worker: Worker, current_load: int) -> None:
+        worker.last_pong = self.loop.time()
+        previous = worker.reported_load
+        worker.reported_load = current_load
+        if current_load < previous:
+            self._feed(worker)
+
+    def on_models_update(
+        self, worker: Worker, models: list[str], current_load: int | None
+    ) -> list[str]:
+        state = self.providers.get(worker.provider)
+        cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
+        accepted, warnings = sanitize_models(
+            models, cap=cap, max_len=self.config.max_model_name_len
+        )
+        self.registry.set_models(worker, accepted, self.loop.time())
+        if current_load is not None:
+            worker.reported_load = current_load
+        logger.info("worker %s models updated: %s", worker.name, ",".join(accepted) or "(none)")
+        self._feed(worker)
+        return warnings
+
+    def _stray(self, worker: Worker, kind: str, request_id: str) -> None:
+        self.stats.dropped_frames += 1
+        logger.info("dropped %s for %s from %s: not in flight there", kind, request_id, worker.name)
+
+    # ------------------------------------------------------------------ operations
+
+    def drain_worker(
+        self, worker_id: str, *, timeout: float | None = None, reason: str = "maintenance"
+    ) -> bool:
+        """Stop routing to a worker, let its requests finish, close it when idle.
+
+        At the deadline it is closed anyway and what is left is requeued.
+        """
+        worker = self.registry.workers.get(worker_id)
+        if worker is None:
+            return False
+        if worker.draining:
+            return True
+        timeout = self.config.drain_timeout if timeout is None else timeout
+        worker.draining = True
+        logger.info("graceful shutdown: draining %s (%s): %s", worker.name, worker.id, reason)
+        worker.link.send(
+            protocol.encode(
+                protocol.GracefulShutdown(reason=reason, drain_timeout_secs=math.ceil(timeout))
+            )
+        )
+        if not worker.in_flight:
+            self.close_worker(worker, 1000, "worker drained")
+        else:
+            self._drain_timers[worker.id] = self.loop.call_later(
+                timeout, self.close_worker, worker, 1000, "drain timeout"
+            )
+        return True
+
+    def refresh_models(self, worker_id: str, reason: str = "operator") -> bool:
+        worker = self.registry.workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.link.send(protocol.encode(protocol.ModelsRefresh(reason=reason)))
+        return True
+
+    def _ensure_heartbeat(self) -> None:
+        if self._heartbeat_task is None or self._heartbeat_task.done():
+            self._heartbeat_task = self.loop.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval
+        timeout = self.config.heartbeat_timeout
+        tick = min(interval, timeout) / 2
+        last_ping = self.loop.time()
+        while True:
+            await asyncio.sleep(tick)
+            now = self.loop.time()
+            try:
+                for worker in list(self.registry.workers.values()):
+                    if now - worker.last_pong > timeout:
+                        logger.warning(
+                            "worker heartbeat timed out: %s (%s)", worker.name, worker.id
+                        )
+                        self.close_worker(worker, 1001, "worker heartbeat timed out")
+                if now - last_ping >= interval:
+                    last_ping = now
+                    ping = protocol.encode(protocol.Ping(timestamp_unix_ms=int(time.time() * 1000)))
+                    for worker in self.registry.workers.values():
+                        worker.link.send(ping)
+            except Exception:  # keep beating for everyone else
+                logger.exception("heartbeat tick failed")

@@ -1,0 +1,100 @@
+"""API keys as the hot path sees them: an in-memory table checked without the ORM.
+
+The table maps a key's lookup prefix to its id and HMAC; the Django edge reloads it
+whenever keys change (at once in this process, within a second elsewhere). Usage is
+counted here and flushed to the database in the background, never per request.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from relay.core.credentials import PREFIX_LEN, verify_secret
+from relay.core.stats import RequestRecord
+from relay.wire.errors import Flavor, Unauthorized
+
+
+@dataclass(frozen=True, slots=True)
+class KnownKey:
+    id: int
+    key_hash: str
+
+
+@dataclass(slots=True)
+class Usage:
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    last_used: float = 0.0
+
+
+class KeyCache:
+    def __init__(self, pepper: str) -> None:
+        self._pepper = pepper
+        self._keys: dict[str, KnownKey] = {}
+        self.usage: dict[int, Usage] = {}
+        self.loaded = False
+
+    def replace(self, keys: dict[str, KnownKey]) -> None:
+        """Swap in a freshly loaded table of active keys (prefix -> key)."""
+        self._keys = keys
+        self.loaded = True
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def verify(self, token: str) -> int | None:
+        """The id of the active key ``token`` is, or None."""
+        known = self._keys.get(token[:PREFIX_LEN])
+        if known is None or not verify_secret(token, self._pepper, known.key_hash):
+            return None
+        return known.id
+
+    def authenticate(
+        self, headers: list[tuple[bytes, bytes]], flavor: Flavor
+    ) -> tuple[int, frozenset[str]]:
+        """Find and check the client's key in ``Authorization: Bearer`` (or ``x-api-key``
+        on the Anthropic route). Returns the key id and the header that carried it."""
+        bearer: str | None = None
+        api_key: str | None = None
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, rest = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    bearer = rest.strip()
+            elif name == b"x-api-key" and flavor == "anthropic":
+                api_key = value.decode("latin-1").strip()
+        for token, header in ((bearer, "authorization"), (api_key, "x-api-key")):
+            if token:
+                key_id = self.verify(token)
+                if key_id is not None:
+                    return key_id, frozenset({header})
+        if bearer or api_key:
+            raise Unauthorized("Invalid or revoked API key")
+        raise Unauthorized("Missing API key: send Authorization: Bearer <key>")
+
+    def observe(self, record: RequestRecord) -> None:
+        """Request observer: count usage per key for the background flush."""
+        if record.key_id is None:
+            return
+        usage = self.usage.get(record.key_id)
+        if usage is None:
+            usage = self.usage[record.key_id] = Usage()
+        usage.requests += 1
+        usage.prompt_tokens += record.prompt_tokens or 0
+        usage.completion_tokens += record.completion_tokens or 0
+        usage.last_used = time.time()
+
+    def take_usage(self) -> dict[int, Usage]:
+        usage, self.usage = self.usage, {}
+        return usage
+
+    def restore_usage(self, usage: dict[int, Usage]) -> None:
+        """Put back usage that could not be written, merged with what came since."""
+        for key_id, old in usage.items():
+            current = self.usage.setdefault(key_id, Usage())
+            current.requests += old.requests
+            current.prompt_tokens += old.prompt_tokens
+            current.completion_tokens += old.completion_tokens
+            current.last_used = max(current.last_used, old.last_used)

@@ -1,0 +1,212 @@
+"""Connected workers: identity, acked models, capacity, load and drain state.
+
+The registry only answers questions and records facts; the dispatcher decides.
+Selection is "lowest load, round-robin among equals" over non-draining workers that
+were acked for the model and have a free slot, where a worker's load is
+``max(reported_load, in_flight)`` so neither a stale pong nor a burst of new
+assignments can oversubscribe it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from relay.core.dispatch import RelayRequest
+
+
+class WorkerLink(Protocol):
+    """The transport the core uses to reach one worker; never blocks the caller."""
+
+    def send(self, text: str) -> None:
+        """Queue one text frame; frames are delivered in call order."""
+
+    def close(self, code: int, reason: str) -> None:
+        """Close the socket after every frame queued before it."""
+
+
+def sanitize_models(raw: list[str], *, cap: int, max_len: int) -> tuple[list[str], list[str]]:
+    """Trim, drop empty and over-long names, de-duplicate keeping first-seen order, cap.
+
+    Returns the accepted list and one warning per kind of change, so a worker can be
+    told exactly what was not accepted.
+    """
+    accepted: list[str] = []
+    seen: set[str] = set()
+    trimmed = empty = too_long = duplicates = dropped = 0
+    for name in raw:
+        clean = name.strip()
+        if clean != name:
+            trimmed += 1
+        if not clean:
+            empty += 1
+            continue
+        if len(clean) > max_len:
+            too_long += 1
+            continue
+        if clean in seen:
+            duplicates += 1
+            continue
+        if len(accepted) >= cap:
+            dropped += 1
+            continue
+        seen.add(clean)
+        accepted.append(clean)
+    warnings: list[str] = []
+    if trimmed:
+        warnings.append(f"trimmed whitespace from {trimmed} model name(s)")
+    if empty:
+        warnings.append(f"dropped {empty} empty model name(s)")
+    if too_long:
+        warnings.append(f"dropped {too_long} model name(s) longer than {max_len} characters")
+    if duplicates:
+        warnings.append(f"dropped {duplicates} duplicate model name(s)")
+    if dropped:
+        warnings.append(f"accepted only the first {cap} models; dropped {dropped}")
+    return accepted, warnings
+
+
+_worker_ids = itertools.count(1)
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    id: str
+    provider: str
+    name: str
+    models: tuple[str, ...]
+    max_concurrent: int
+    link: WorkerLink
+    connected_at: float
+    last_pong: float
+    reported_load: int = 0
+    peer: str = ""
+    protocol_version: str | None = None
+    draining: bool = False
+    requests_served: int = 0
+    in_flight: dict[str, RelayRequest] = field(default_factory=dict)
+    attached: bool = True
+    model_set: frozenset[str] = frozenset()
+
+    @property
+    def load(self) -> int:
+        return max(self.reported_load, len(self.in_flight))
+
+    @property
+    def has_capacity(self) -> bool:
+        return not self.draining and self.load < self.max_concurrent
+
+
+class Registry:
+    """Workers by id, indexed by ``(provider, model)`` for O(candidates) selection."""
+
+    def __init__(self, *, model_memory: float) -> None:
+        self.workers: dict[str, Worker] = {}
+        self._by_model: dict[tuple[str, str], list[Worker]] = {}
+        self._cursor: dict[str, int] = {}
+        self._last_seen: dict[tuple[str, str], float] = {}
+        self._model_memory = model_memory
+
+    # -- membership -----------------------------------------------------------
+
+    def add(self, worker: Worker) -> None:
+        worker.model_set = frozenset(worker.models)
+        self.workers[worker.id] = worker
+        self._index(worker)
+
+    def remove(self, worker: Worker, now: float) -> None:
+        if self.workers.pop(worker.id, None) is None:
+            return
+        self._unindex(worker, now)
+        worker.attached = False
+
+    def set_models(self, worker: Worker, models: list[str], now: float) -> None:
+        self._unindex(worker, now)
+        worker.models = tuple(models)
+        worker.model_set = frozenset(models)
+        self._index(worker)
+
+    def _index(self, worker: Worker) -> None:
+        for model in worker.models:
+            self._by_model.setdefault((worker.provider, model), []).append(worker)
+
+    def _unindex(self, worker: Worker, now: float) -> None:
+        for model in worker.models:
+            key = (worker.provider, model)
+            bucket = self._by_model.get(key)
+            if bucket is None:
+                continue
+            try:
+                bucket.remove(worker)
+            except ValueError:
+                pass
+            if not bucket:
+                del self._by_model[key]
+            self._last_seen[key] = now
+
+    # -- queries --------------------------------------------------------------
+
+    def select(self, provider: str, model: str) -> Worker | None:
+        """The worker that should take the next request for ``model``, or ``None``.
+
+        Lowest load wins; among equally loaded workers the provider's cursor rotates
+        so consecutive requests spread out. The caller must reserve the slot before
+        yielding to the event loop.
+        """
+        candidates = self._by_model.get((provider, model))
+        if not candidates:
+            return None
+        best: list[Worker] = []
+        best_load = 1 << 62
+        for worker in candidates:
+            if worker.draining:
+                continue
+            load = worker.load
+            if load >= worker.max_concurrent:
+                continue
+            if load < best_load:
+                best_load = load
+                best = [worker]
+            elif load == best_load:
+                best.append(worker)
+        if not best:
+            return None
+        if len(best) == 1:
+            return best[0]
+        cursor = self._cursor.get(provider, 0)
+        self._cursor[provider] = cursor + 1
+        return best[cursor % len(best)]
+
+    def serving(self, provider: str, model: str) -> bool:
+        """True when a connected worker of ``provider`` was acked for ``model``."""
+        return (provider, model) in self._by_model
+
+    def remembers(self, provider: str, model: str, now: float) -> bool:
+        seen = self._last_seen.get((provider, model))
+        if seen is None:
+            return False
+        if now - seen <= self._model_memory:
+            return True
+        del self._last_seen[(provider, model)]
+        return False
+
+    def models(self) -> dict[str, set[str]]:
+        """Routable models now: model -> providers with a connected worker for it."""
+        out: dict[str, set[str]] = {}
+        for provider, model in self._by_model:
+            out.setdefault(model, set()).add(provider)
+        return out
+
+    def of_provider(self, provider: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.provider == provider]
+
+    def forget_provider(self, provider: str) -> None:
+        for key in [k for k in self._last_seen if k[0] == provider]:
+            del self._last_seen[key]
+
+
+def next_worker_id(prefix: str) -> str:
+    """A short id unique within this process and unlikely to collide across processes."""
+    return f"w-{prefix}{next(_worker_ids):x}"

@@ -1,0 +1,121 @@
+"""Plain-data views of the live relay for the admin API, admin pages and dashboard.
+
+Called on the event loop; returns JSON-ready dicts and never mutates the relay
+(the dashboard's first snapshot attaches the outcome timeline, an observer).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from relay import __version__
+from relay.core import timeline
+from relay.core.dispatch import Relay
+from relay.core.registry import Worker
+
+
+def describe_worker(relay: Relay, worker: Worker) -> dict[str, Any]:
+    now = relay.loop.time()
+    return {
+        "id": worker.id,
+        "name": worker.name,
+        "provider": worker.provider,
+        "models": list(worker.models),
+        "max_concurrent": worker.max_concurrent,
+        "load": worker.load,
+        "reported_load": worker.reported_load,
+        "in_flight": len(worker.in_flight),
+        "draining": worker.draining,
+        "peer": worker.peer,
+        "protocol_version": worker.protocol_version,
+        "requests_served": worker.requests_served,
+        "connected_secs": round(now - worker.connected_at, 3),
+        "last_pong_secs_ago": round(now - worker.last_pong, 3),
+    }
+
+
+def workers(relay: Relay) -> list[dict[str, Any]]:
+    return [
+        describe_worker(relay, w)
+        for w in sorted(relay.registry.workers.values(), key=lambda w: (w.provider, w.name, w.id))
+    ]
+
+
+def stats(relay: Relay) -> dict[str, Any]:
+    s = relay.stats
+    providers: dict[str, Any] = {}
+    for name, state in sorted(relay.providers.items()):
+        members = relay.registry.of_provider(name)
+        providers[name] = {
+            "enabled": state.policy.enabled,
+            "queue_depth": len(state.queue),
+            "workers": len(members),
+            "load": sum(w.load for w in members),
+            "capacity": sum(w.max_concurrent for w in members),
+        }
+    return {
+        "version": __version__,
+        "uptime_secs": round(time.time() - relay.started_wall, 3),
+        "requests": {"total": s.total, "by_outcome": dict(sorted(s.by_outcome.items()))},
+        "in_flight": relay.active - relay.queue_depth(),
+        "queue_depth": relay.queue_depth(),
+        "workers_connected": len(relay.registry.workers),
+        "providers": providers,
+        "tokens": {
+            "prompt": s.tokens_total("prompt"),
+            "completion": s.tokens_total("completion"),
+        },
+        "requeues": s.requeues,
+        "cancels": dict(sorted(s.cancels.items())),
+        "dropped_worker_frames": s.dropped_frames,
+    }
+
+
+def recent(relay: Relay, limit: int = 50) -> list[dict[str, Any]]:
+    out = []
+    for r in list(relay.stats.recent)[-limit:][::-1]:
+        out.append(
+            {
+                "request_id": r.request_id,
+                "model": r.model,
+                "endpoint": r.endpoint,
+                "worker": r.worker_name,
+                "status": r.status,
+                "outcome": r.outcome,
+                "streamed": r.streamed,
+                "duration_ms": round(r.duration * 1000, 1),
+                "ttfb_ms": None if r.ttfb is None else round(r.ttfb * 1000, 1),
+                "at": r.created_at,
+            }
+        )
+    return out
+
+
+def dashboard(
+    relay: Relay, *, workers_list: list[dict[str, Any]] | None = None, recent_limit: int = 25
+) -> dict[str, Any]:
+    """Everything the live dashboard shows, as one JSON-ready snapshot.
+
+    ``workers_list`` replaces this process's workers (the cluster-wide list with Redis).
+    """
+    rates = timeline.for_relay(relay)
+    return {
+        "at": time.time(),
+        "stats": stats(relay),
+        "workers": workers(relay) if workers_list is None else workers_list,
+        "recent": recent(relay, limit=recent_limit),
+        "rate_per_sec": round(rates.rate(), 3),
+        "timeline": rates.series(),
+    }
+
+
+def connected_after(
+    workers_list: list[dict[str, Any]], provider: str, since: float
+) -> list[dict[str, Any]]:
+    """The workers of ``provider`` that connected at or after wall time ``since``, oldest first."""
+    now = time.time()
+    found = [
+        w for w in workers_list if w["provider"] == provider and now - w["connected_secs"] >= since
+    ]
+    return sorted(found, key=lambda w: -w["connected_secs"])

@@ -1,0 +1,133 @@
+"""The live dashboard (SPEC §9): a staff page fed by a server-sent event stream.
+
+``/dashboard`` renders the page with a first snapshot embedded; the page's script
+then follows ``/dashboard/events``, one JSON snapshot of the relay per second, and
+redraws in place. Drain and refresh buttons POST (with the CSRF token) to
+``/dashboard/workers/<id>/<action>``. All data comes from :mod:`relay.core.snapshot`;
+these views only check who is asking and translate to HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseBase,
+    HttpResponseRedirect,
+    JsonResponse,
+    StreamingHttpResponse,
+)
+from django.shortcuts import render
+from django.views.decorators.http import require_POST
+
+from relay.core import snapshot
+from relay.server import runtime
+
+logger = logging.getLogger("relay.pages")
+
+#: Seconds between two snapshots on the event stream.
+EVENT_INTERVAL_SECS = 1.0
+#: A stream ends after this long; the browser reconnects (and is re-authorised).
+STREAM_MAX_SECS = 600.0
+#: What the browser waits before reconnecting, in milliseconds (the SSE ``retry`` field).
+RECONNECT_MS = 2000
+DRAIN_PERMISSION = "workers_app.drain_worker"
+
+
+class StreamCount:
+    """Open event streams in this process (tests check that closed streams are cleaned up)."""
+
+    open = 0
+
+
+async def staff_user(request: HttpRequest) -> Any | None:
+    """The logged-in active staff user, or None."""
+    user = await request.auser()
+    if user.is_authenticated and user.is_active and user.is_staff:
+        return user
+    return None
+
+
+def forbidden(message: str = "staff login required") -> JsonResponse:
+    return JsonResponse({"detail": message}, status=403)
+
+
+def home(request: HttpRequest) -> HttpResponse:
+    """``/``: staff go to the dashboard, everyone else to the setup wizard."""
+    user = request.user
+    return HttpResponseRedirect("/dashboard" if user.is_active and user.is_staff else "/setup")
+
+
+async def live_snapshot(rt: runtime.Runtime) -> dict[str, Any]:
+    return snapshot.dashboard(rt.relay, workers_list=await rt.workers())
+
+
+@staff_member_required
+async def dashboard(request: HttpRequest) -> HttpResponse:
+    user = await request.auser()
+    context = {
+        # The async view passes the user itself: the template must not load it lazily.
+        "user": user,
+        "nav": "dashboard",
+        "initial": await live_snapshot(runtime.current()),
+        "can_act": await user.ahas_perm(DRAIN_PERMISSION),
+        "events_url": "/dashboard/events",
+    }
+    return render(request, "relay/dashboard.html", context)
+
+
+async def _snapshots(rt: runtime.Runtime) -> AsyncIterator[str]:
+    """One ``data:`` event per interval until the client leaves, the server stops or time is up.
+
+    Django cancels this generator (CancelledError) when the client disconnects.
+    """
+    StreamCount.open += 1
+    try:
+        yield f"retry: {RECONNECT_MS}\n\n"
+        relay = rt.relay
+        deadline = relay.loop.time() + STREAM_MAX_SECS
+        while not relay.shutting_down and relay.loop.time() < deadline:
+            yield f"data: {json.dumps(await live_snapshot(rt))}\n\n"
+            await asyncio.sleep(EVENT_INTERVAL_SECS)
+    finally:
+        StreamCount.open -= 1
+
+
+async def events(request: HttpRequest) -> HttpResponseBase:
+    """``/dashboard/events``: the live snapshot stream (text/event-stream), staff only."""
+    if await staff_user(request) is None:
+        return forbidden()
+    response = StreamingHttpResponse(
+        _snapshots(runtime.current()), content_type="text/event-stream"
+    )
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+@require_POST
+async def worker_action(request: HttpRequest, worker_id: str, action: str) -> HttpResponse:
+    """Drain a connected worker or ask it to re-send its models."""
+    user = await staff_user(request)
+    if user is None:
+        return forbidden()
+    if not await user.ahas_perm(DRAIN_PERMISSION):
+        return forbidden("you may not drain or refresh workers")
+    rt = runtime.current()
+    if action == "drain":
+        done = await rt.drain(worker_id, reason="drained from the dashboard")
+    elif action == "refresh":
+        done = await rt.refresh(worker_id, reason="requested from the dashboard")
+    else:
+        return JsonResponse({"detail": f"unknown action '{action}'"}, status=404)
+    if not done:
+        return JsonResponse({"detail": f"no connected worker '{worker_id}'"}, status=404)
+    logger.info("%s: %s by %s", action, worker_id, user.get_username())
+    return JsonResponse({"ok": True, "worker_id": worker_id, "action": action})

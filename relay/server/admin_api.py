@@ -1,0 +1,154 @@
+"""The admin JSON API (``/admin/*``), for operators' scripts and ``manage.py``.
+
+Every route needs ``Authorization: Bearer $MODELRELAY_ADMIN_TOKEN`` (compared in
+constant time); without a configured token every route answers 403. Errors are
+``{"detail": "..."}`` with 400 for malformed input, never 500.
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import datetime
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from ninja import NinjaAPI, Schema, Status
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.security import HttpBearer
+from pydantic import Field
+
+from keys.models import ApiKey
+from keys.services import create_key, revoke_key
+from relay.core import snapshot
+from relay.server import runtime
+
+
+class AdminToken(HttpBearer):
+    def authenticate(self, request: HttpRequest, token: str) -> str | None:
+        expected = settings.MODELRELAY_ADMIN_TOKEN
+        if expected and hmac.compare_digest(token.encode(), expected.encode()):
+            return "admin"
+        return None
+
+
+api = NinjaAPI(
+    title="ModelRelay admin API",
+    version="1",
+    urls_namespace="admin_api",
+    auth=AdminToken(),
+    docs_url=None,
+    openapi_url=None,
+)
+
+
+@api.exception_handler(AuthenticationError)
+def forbidden(request: HttpRequest, exc: Exception) -> HttpResponse:
+    detail = (
+        "admin API disabled: set MODELRELAY_ADMIN_TOKEN"
+        if not settings.MODELRELAY_ADMIN_TOKEN
+        else "invalid admin token"
+    )
+    return api.create_response(request, {"detail": detail}, status=403)
+
+
+@api.exception_handler(ValidationError)
+def bad_request(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    problems = []
+    for error in exc.errors:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "payload"))
+        problems.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    return api.create_response(
+        request, {"detail": "; ".join(problems) or "invalid input"}, status=400
+    )
+
+
+class KeyIn(Schema):
+    name: str = Field(min_length=1, max_length=100)
+
+
+class KeyOut(Schema):
+    id: int
+    name: str
+    prefix: str
+    active: bool
+    created_at: datetime
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+    requests: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class NewKeyOut(KeyOut):
+    secret: str
+
+
+class DrainIn(Schema):
+    timeout_secs: float | None = Field(default=None, gt=0)
+    reason: str = Field(default="maintenance", max_length=100)
+
+
+class Accepted(Schema):
+    id: str
+    status: str
+
+
+@api.get("/workers")
+async def list_workers(request: HttpRequest) -> list[dict[str, Any]]:
+    return await runtime.current().workers()
+
+
+@api.get("/stats")
+async def stats(request: HttpRequest) -> dict[str, Any]:
+    rt = runtime.current()
+    document = snapshot.stats(rt.relay)
+    document["request_log"] = {
+        "pending": len(rt.bookkeeper.pending),
+        "dropped": rt.bookkeeper.dropped,
+        "write_failures": rt.bookkeeper.failures,
+    }
+    return document
+
+
+@api.post("/workers/{worker_id}/drain", response={202: Accepted})
+async def drain(request: HttpRequest, worker_id: str, payload: DrainIn | None = None) -> Any:
+    payload = payload or DrainIn()
+    rt = runtime.current()
+    if not await rt.drain(worker_id, drain_secs=payload.timeout_secs, reason=payload.reason):
+        raise HttpError(404, f"no connected worker with id '{worker_id}'")
+    return Status(202, {"id": worker_id, "status": "draining"})
+
+
+@api.post("/workers/{worker_id}/refresh", response={202: Accepted})
+async def refresh(request: HttpRequest, worker_id: str) -> Any:
+    if not await runtime.current().refresh(worker_id, reason="operator"):
+        raise HttpError(404, f"no connected worker with id '{worker_id}'")
+    return Status(202, {"id": worker_id, "status": "refresh requested"})
+
+
+@api.get("/keys", response=list[KeyOut])
+async def list_keys(request: HttpRequest) -> list[ApiKey]:
+    return [key async for key in ApiKey.objects.all()]
+
+
+@api.post("/keys", response={201: NewKeyOut})
+async def new_key(request: HttpRequest, payload: KeyIn) -> Any:
+    try:
+        made = await sync_to_async(create_key)(payload.name)
+    except ValueError as exc:
+        raise HttpError(400, str(exc)) from None
+    document = KeyOut.model_validate(made.key).model_dump()
+    document["secret"] = made.secret
+    return Status(201, document)
+
+
+@api.delete("/keys/{key_id}", response={204: None})
+async def delete_key(request: HttpRequest, key_id: int) -> Any:
+    key = await ApiKey.objects.filter(id=key_id).afirst()
+    if key is None:
+        raise HttpError(404, f"no API key with id {key_id}")
+    if not await sync_to_async(revoke_key)(key):
+        raise HttpError(404, f"API key {key_id} is already revoked")
+    return Status(204, None)

@@ -1,0 +1,139 @@
+"""Several server processes sharing one Redis: who has which worker, and control messages.
+
+Each worker is connected to exactly one server process. With ``REDIS_URL`` set,
+every process
+
+- publishes its live worker list under ``<prefix>:instance:<id>`` (refreshed every
+  second, expiring after a few), so the admin API of *any* process lists them all;
+- listens on the channel layer for control messages, so an admin action or a
+  ``manage.py`` command issued to one process reaches a worker connected to another
+  (``relay.drain`` / ``relay.refresh`` sent to the owning process's channel);
+- reacts to ``relay.sync`` broadcasts by re-reading providers and API keys at once,
+  so a key revoked through one process is refused by all of them immediately.
+
+Token chunks never travel through here (see SPEC §2: the Redis layer is far too
+slow for them); only rare control messages do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+import redis.asyncio as aioredis
+from channels.layers import BaseChannelLayer, get_channel_layer
+
+from relay.core import snapshot
+
+if TYPE_CHECKING:
+    from relay.server.runtime import Runtime
+
+logger = logging.getLogger("relay.cluster")
+
+GROUP = "modelrelay.control"
+PUBLISH_EVERY = 1.0
+PUBLISH_TTL = 5
+
+
+class Cluster:
+    def __init__(self, runtime: Runtime, redis_url: str, prefix: str) -> None:
+        self.runtime = runtime
+        self.prefix = prefix
+        self.instance = runtime.relay.instance
+        self.layer: BaseChannelLayer = get_channel_layer()
+        self.redis = aioredis.from_url(redis_url, socket_timeout=None, decode_responses=True)
+        self.channel: str | None = None
+
+    @property
+    def _key(self) -> str:
+        return f"{self.prefix}:instance:{self.instance}"
+
+    async def run(self) -> None:
+        """Owned by the runtime: listen for control messages and publish our workers."""
+        self.channel = await self.layer.new_channel()
+        await self.layer.group_add(GROUP, self.channel)
+        publisher = asyncio.get_running_loop().create_task(self._publish())
+        try:
+            while True:
+                message = await self.layer.receive(self.channel)
+                try:
+                    self.handle(message)
+                except Exception:
+                    logger.exception("control message %r failed", message.get("type"))
+        finally:
+            publisher.cancel()
+            try:
+                await publisher
+            except asyncio.CancelledError:
+                pass
+            try:
+                await self.layer.group_discard(GROUP, self.channel)
+                await self.redis.delete(self._key)
+                await self.redis.aclose()
+            except Exception:
+                logger.warning("could not deregister from Redis on shutdown")
+
+    def handle(self, message: dict[str, Any]) -> None:
+        logger.debug("control message: %s", message)
+        relay = self.runtime.relay
+        match message.get("type"):
+            case "relay.sync":
+                self.runtime.poke()
+            case "relay.drain":
+                relay.drain_worker(
+                    message["worker_id"],
+                    timeout=message.get("timeout"),
+                    reason=message.get("reason") or "maintenance",
+                )
+            case "relay.refresh":
+                relay.refresh_models(
+                    message["worker_id"], reason=message.get("reason") or "operator"
+                )
+
+    async def _publish(self) -> None:
+        while True:
+            try:
+                document = {
+                    "instance": self.instance,
+                    "channel": self.channel,
+                    "workers": snapshot.workers(self.runtime.relay),
+                }
+                await self.redis.set(self._key, json.dumps(document), ex=PUBLISH_TTL)
+            except Exception:
+                logger.warning("could not publish worker list to Redis", exc_info=True)
+            await asyncio.sleep(PUBLISH_EVERY)
+
+    async def instances(self) -> list[dict[str, Any]]:
+        keys = [key async for key in self.redis.scan_iter(match=f"{self.prefix}:instance:*")]
+        if not keys:
+            return []
+        return [json.loads(raw) for raw in await self.redis.mget(keys) if raw]
+
+    async def workers(self) -> list[dict[str, Any]]:
+        """Workers of every live process (ours fresh, others as last published)."""
+        out = snapshot.workers(self.runtime.relay)
+        for worker in out:
+            worker["instance"] = self.instance
+        for document in await self.instances():
+            if document["instance"] == self.instance:
+                continue
+            for worker in document["workers"]:
+                worker["instance"] = document["instance"]
+                out.append(worker)
+        return out
+
+    async def forward(self, kind: str, worker_id: str, **fields: Any) -> bool:
+        """Send ``relay.<kind>`` to the process holding ``worker_id``; False if none does."""
+        for document in await self.instances():
+            if document["instance"] == self.instance or not document.get("channel"):
+                continue
+            if any(w["id"] == worker_id for w in document["workers"]):
+                message = {"type": f"relay.{kind}", "worker_id": worker_id, **fields}
+                await self.layer.send(document["channel"], message)
+                return True
+        return False
+
+    async def broadcast_sync(self) -> None:
+        await self.layer.group_send(GROUP, {"type": "relay.sync"})

@@ -1,0 +1,322 @@
+"""The worker WebSocket endpoint (``/v1/worker/connect``).
+
+A thin translator between frames and relay-core calls. Handlers return fast:
+Channels processes one message at a time per connection, so anything slow here
+would delay this worker's pongs and cancels. Outbound frames go through
+:class:`ConsumerLink`, an ordered outbox with one writer task owned by the consumer.
+Audit rows are written once when the worker registers and once when it leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+from urllib.parse import parse_qs
+
+from channels.db import aclose_old_connections
+from channels.exceptions import StopConsumer
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+from django.utils import timezone
+
+from relay.core.dispatch import Relay
+from relay.core.ratelimit import client_address
+from relay.core.registry import Worker
+from relay.server import runtime
+from relay.wire.errors import ProtocolError
+from relay.wire.protocol import (
+    Error,
+    ModelsUpdate,
+    Pong,
+    Register,
+    ResponseChunk,
+    ResponseComplete,
+    decode_worker_message,
+)
+
+logger = logging.getLogger("relay.worker_socket")
+
+_MAX_REASON = 120  # a close reason must fit in 123 bytes
+
+# Closes the WebSocket layer itself performs (RFC 6455 §7.4.1) on a worker's bad frames.
+_TRANSPORT_FAILURES = {
+    1007: "invalid UTF-8 in a text frame",
+    1009: "frame larger than MAX_MESSAGE_BYTES",
+}
+
+
+def _reason(text: str) -> str:
+    return text.encode()[:_MAX_REASON].decode(errors="ignore")
+
+
+class ConsumerLink:
+    """:class:`relay.core.registry.WorkerLink` over a consumer; never blocks the caller."""
+
+    def __init__(self, consumer: WorkerConsumer) -> None:
+        self._consumer = consumer
+        self._outbox: deque[str | tuple[int, str]] = deque()
+        self._wake = asyncio.Event()
+        self.closed_with: tuple[int, str] | None = None
+        self._task = asyncio.get_running_loop().create_task(self._write())
+
+    def send(self, text: str) -> None:
+        if self.closed_with is None:
+            self._outbox.append(text)
+            self._wake.set()
+
+    def close(self, code: int, reason: str) -> None:
+        if self.closed_with is None:
+            self.closed_with = (code, _reason(reason))
+            self._outbox.append(self.closed_with)
+            self._wake.set()
+
+    async def _write(self) -> None:
+        consumer = self._consumer
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._outbox:
+                item = self._outbox.popleft()
+                if isinstance(item, tuple):
+                    await consumer.close(code=item[0], reason=item[1])
+                    return
+                await consumer.send(text_data=item)
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
+class WorkerConsumer(AsyncWebsocketConsumer):
+    relay: Relay
+    link: ConsumerLink | None = None
+    worker: Worker | None = None
+    provider_name: str = ""
+    peer: str = ""
+    _register_timer: asyncio.TimerHandle | None = None
+    _audit: asyncio.Task[Any] | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """Read and dispatch frames in a plain loop.
+
+        The generic consumer loop spawns a task per message to also listen on a
+        channel-layer channel, and closes stale DB connections (a thread hop) before
+        every handler. A worker socket carries every token chunk, needs no channel of
+        its own (cross-process control goes through :mod:`relay.server.cluster`) and touches
+        the database only on connect and disconnect, so neither cost is paid here.
+        """
+        self.scope = scope
+        self.channel_layer = None
+        self.base_send = send
+        try:
+            while True:
+                message = await receive()
+                match message["type"]:
+                    case "websocket.receive":
+                        await self.websocket_receive(message)
+                    case "websocket.connect":
+                        await self.websocket_connect(message)
+                    case "websocket.disconnect":
+                        await self.websocket_disconnect(message)
+        except StopConsumer:
+            pass
+
+    async def websocket_connect(self, message: dict[str, Any]) -> None:
+        rt = runtime.current()
+        self.relay = rt.relay
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self.scope["headers"]
+        }
+        client = self.scope.get("client") or ("", 0)
+        self.peer = client_address(client[0], headers.get("x-forwarded-for"), rt.trusted_proxies)
+        query = parse_qs(self.scope.get("query_string", b"").decode("latin-1"))
+        self.provider_name = (query.get("provider") or [settings.PROVIDER_NAME])[0]
+        secret = headers.get("x-worker-secret") or (query.get("worker_secret") or [""])[0]
+
+        if rt.relay.shutting_down:
+            await self.accept()
+            await self.close(code=1012, reason="server restarting")
+            return
+        wait = rt.throttle.blocked(self.peer)
+        if wait:
+            logger.warning("worker auth throttled: peer=%s (%.0fs left)", self.peer, wait)
+            await self._refuse(f"too many failed authentication attempts; retry in {wait:.0f}s")
+            return
+        from workers_app.models import Provider
+        from workers_app.services import provider_policy
+
+        provider = await Provider.objects.filter(name=self.provider_name).afirst()
+        if provider is None or not secret or not provider.check_secret(secret):
+            rt.throttle.failure(self.peer)
+            problem = (
+                f"unknown provider '{self.provider_name}'"
+                if provider is None
+                else "invalid worker secret"
+            )
+            logger.warning(
+                "worker auth failed: peer=%s provider=%s: %s",
+                self.peer,
+                self.provider_name,
+                problem,
+            )
+            await self._refuse(problem)
+            return
+        rt.throttle.success(self.peer)
+        if not provider.enabled:
+            logger.warning("worker refused: provider %s is disabled", provider.name)
+            await self._refuse(f"provider '{provider.name}' is disabled")
+            return
+        rt.relay.set_provider(provider_policy(provider, rt.config))
+        await self.accept()
+        rt.socket_opened()
+        self.link = ConsumerLink(self)
+        self._register_timer = asyncio.get_running_loop().call_later(
+            rt.config.register_timeout,
+            self._violation,
+            f"no register message within {rt.config.register_timeout:g}s",
+        )
+
+    async def _refuse(self, reason: str) -> None:
+        # Accept first: closing before accept would give the worker a bare HTTP 403
+        # instead of a close code and a reason it can log.
+        await self.accept()
+        await self.close(code=1008, reason=_reason(reason))
+
+    async def websocket_receive(self, message: dict[str, Any]) -> None:
+        link = self.link
+        if link is None or link.closed_with is not None:
+            return  # refused or closing: ignore whatever is still in flight
+        text = message.get("text")
+        if text is None:
+            self._violation("binary frames are not supported")
+            return
+        try:
+            msg = decode_worker_message(text)
+        except ProtocolError as exc:
+            self._violation(str(exc))
+            return
+        relay = self.relay
+        worker = self.worker
+        if worker is None:
+            if isinstance(msg, Register):
+                self._register(msg)
+            else:
+                self._violation(f"expected register, got {type(msg).__name__}")
+            return
+        match msg:
+            case ResponseChunk():
+                relay.on_chunk(worker, msg.request_id, msg.chunk)
+            case ResponseComplete():
+                relay.on_complete(worker, msg)
+            case Pong():
+                relay.on_pong(worker, msg.current_load)
+            case ModelsUpdate():
+                for warning in relay.on_models_update(worker, msg.models, msg.current_load):
+                    logger.warning("worker %s models_update: %s", worker.name, warning)
+            case Error():
+                relay.on_worker_error(worker, msg)
+            case Register():
+                self._violation("duplicate register")
+
+    def _register(self, msg: Register) -> None:
+        rt = runtime.current()
+        if self._register_timer is not None:
+            self._register_timer.cancel()
+            self._register_timer = None
+        version = msg.protocol_version
+        if version is None and rt.config.require_protocol_version:
+            self._violation("protocol_version is required")
+            return
+        if version is not None and version not in rt.config.accepted_protocol_versions:
+            self._violation(f"unsupported protocol version {version[:40]!r}")
+            return
+        assert self.link is not None
+        worker, warnings = rt.relay.attach_worker(
+            provider=self.provider_name,
+            name=msg.worker_name,
+            models=msg.models,
+            max_concurrent=msg.max_concurrent,
+            current_load=msg.current_load,
+            link=self.link,
+            peer=self.peer,
+            protocol_version=version,
+        )
+        self.worker = worker
+        for warning in warnings:
+            logger.warning("worker %s register: %s", worker.name, warning)
+        self._audit = asyncio.get_running_loop().create_task(self._open_session(worker))
+
+    def _label(self) -> str:
+        return self.worker.name if self.worker else "(unregistered)"
+
+    def _violation(self, reason: str) -> None:
+        """Close only this worker with 1002; everyone else carries on."""
+        self._register_timer = None
+        logger.warning(
+            "protocol error from worker %s peer=%s: %s", self._label(), self.peer, reason
+        )
+        if self.worker is not None:
+            runtime.current().relay.close_worker(self.worker, 1002, reason)
+        elif self.link is not None:
+            self.link.close(1002, reason)
+
+    async def websocket_disconnect(self, message: dict[str, Any]) -> None:
+        if self._register_timer is not None:
+            self._register_timer.cancel()
+        link, worker = self.link, self.worker
+        code = message.get("code")
+        if link is not None and link.closed_with is not None:
+            reason = link.closed_with[1]
+        elif code in _TRANSPORT_FAILURES:
+            reason = _TRANSPORT_FAILURES[code]
+            logger.warning("worker %s peer=%s closed: %s", self._label(), self.peer, reason)
+        else:
+            reason = f"connection closed by worker (code {code})"
+        if worker is not None:
+            runtime.current().relay.detach_worker(worker, reason)
+        if link is not None:
+            await link.aclose()
+            runtime.current().socket_closed()
+        if worker is not None:
+            await self._close_session(worker, reason)
+        await aclose_old_connections()
+        raise StopConsumer()
+
+    async def _open_session(self, worker: Worker) -> None:
+        from workers_app.models import Provider, WorkerSession
+
+        try:
+            provider = await Provider.objects.filter(name=worker.provider).afirst()
+            await WorkerSession.objects.acreate(
+                worker_id=worker.id,
+                provider=provider,
+                provider_name=worker.provider,
+                worker_name=worker.name,
+                model_names=list(worker.models),
+                max_concurrent=worker.max_concurrent,
+                peer_address=worker.peer[:64],
+                protocol_version=(worker.protocol_version or "")[:64],
+                connected_at=timezone.now(),
+            )
+        except Exception:
+            logger.exception("could not write the session row for worker %s", worker.id)
+
+    async def _close_session(self, worker: Worker, reason: str) -> None:
+        from workers_app.models import WorkerSession
+
+        if self._audit is not None:
+            await asyncio.wait([self._audit])
+        try:
+            await WorkerSession.objects.filter(worker_id=worker.id).aupdate(
+                disconnected_at=timezone.now(),
+                disconnect_reason=reason[:200],
+                requests_served=worker.requests_served,
+                model_names=list(worker.models),
+            )
+        except Exception:
+            logger.exception("could not close the session row for worker %s", worker.id)

@@ -1,0 +1,401 @@
+"""The client-facing hot path: a small ASGI app routed ahead of Django.
+
+Inference routes, ``/v1/models``, ``/health`` and ``/metrics`` are served here
+directly, so they pay none of Django's per-request thread hand-offs; every other
+path falls through to Django (admin, JSON API, pages).
+
+A request's response loop waits on its :class:`~relay.core.request.RelayRequest`
+mailbox while a watcher task turns ``http.disconnect`` into a cancel of that same
+request object: client disconnects, timeouts and worker loss all end in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from relay import __version__
+from relay.core.dispatch import Relay
+from relay.core.request import CANCELLED, Completion, RelayRequest
+from relay.server import runtime
+from relay.server.metrics import CONTENT_TYPE
+from relay.wire.errors import (
+    BadRequest,
+    Flavor,
+    MethodNotAllowed,
+    ModelNotFound,
+    PayloadTooLarge,
+    RelayError,
+    UnsupportedMediaType,
+    error_response,
+)
+from relay.wire.headers import forwarded_request_headers, response_headers
+from relay.wire.sse import STREAM_HEADERS, error_event
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[..., Awaitable[None]]
+
+INFERENCE_ROUTES: dict[str, Flavor] = {
+    "/v1/chat/completions": "openai",
+    "/v1/responses": "responses",
+    "/v1/messages": "anthropic",
+}
+
+_JSON = msgspec.json.Encoder()
+
+
+class _Head(msgspec.Struct):
+    """The only two fields the relay reads from a client body."""
+
+    model: Any = msgspec.UNSET
+    stream: Any = msgspec.UNSET
+
+
+_head_decoder = msgspec.json.Decoder(_Head)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was fully read."""
+
+
+def parse_head(body: bytes) -> tuple[str, bool]:
+    """``(model, stream)`` from a raw JSON body, or :class:`BadRequest` saying what is wrong."""
+    try:
+        head = _head_decoder.decode(body)
+    except msgspec.ValidationError:
+        raise BadRequest("Request body must be a JSON object") from None
+    except msgspec.DecodeError:
+        raise BadRequest("Request body is not valid JSON") from None
+    if head.model is msgspec.UNSET or head.model is None:
+        raise BadRequest("'model' is required")
+    if not isinstance(head.model, str):
+        raise BadRequest("'model' must be a string")
+    if not head.model.strip():
+        raise BadRequest("'model' must not be empty")
+    stream = head.stream
+    if stream is msgspec.UNSET or stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    return head.model, stream
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    if content_type is None:
+        return True
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media in (b"", b"application/json") or media.endswith(b"+json")
+
+
+class RelayHttpApp:
+    """ASGI app: relay routes here, everything else to ``fallback`` (Django)."""
+
+    def __init__(self, fallback: ASGIApp) -> None:
+        self.fallback = fallback
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.fallback(scope, receive, send)
+            return
+        path: str = scope["path"]
+        flavor = INFERENCE_ROUTES.get(path)
+        if flavor is not None:
+            await self._inference(scope, receive, send, flavor)
+        elif path == "/health":
+            await self._health(scope, send)
+        elif path == "/v1/models" or path.startswith("/v1/models/"):
+            await self._models(scope, send, path)
+        elif path == "/metrics":
+            await self._metrics(scope, send)
+        else:
+            await self.fallback(scope, receive, send)
+
+    # -- inference -------------------------------------------------------------
+
+    async def _inference(self, scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
+        rt = runtime.current()
+        cors = rt.cors.headers(_header(scope, b"origin"))
+        method = scope["method"]
+        if method == "OPTIONS" and cors is not None:
+            await _send_simple(send, 204, cors + rt.cors.preflight(), b"")
+            return
+        relay = rt.relay
+        path = scope["path"]
+        await rt.ready()  # providers and keys loaded (instant after the first request)
+        try:
+            if method != "POST":
+                raise MethodNotAllowed(f"Use POST for {path}")
+            key_id, relay_auth_headers = rt.authenticate(scope["headers"], flavor)
+            if not _is_json(_header(scope, b"content-type")):
+                raise UnsupportedMediaType()
+            limit = rt.config.max_request_bytes
+            declared = _header(scope, b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+            raw = await read_body(receive, limit)
+            try:
+                body = raw.decode()
+            except UnicodeDecodeError:
+                raise BadRequest("Request body must be UTF-8 encoded JSON") from None
+            model, stream = parse_head(raw)
+        except ClientGone:
+            return
+        except RelayError as err:
+            relay.record_rejection(err, "", path, False, None)
+            await _send_error(send, err, flavor, cors)
+            return
+        try:
+            request = relay.submit(
+                model=model,
+                endpoint_path=path,
+                flavor=flavor,
+                is_streaming=stream,
+                body=body,
+                headers=forwarded_request_headers(scope["headers"], exclude=relay_auth_headers),
+                key_id=key_id,
+            )
+        except RelayError as err:  # already counted by the core
+            await _send_error(send, err, flavor, cors)
+            return
+        await respond(relay, request, receive, send, cors or [])
+
+    # -- small JSON routes -----------------------------------------------------
+
+    async def _health(self, scope: Scope, send: Send) -> None:
+        rt = runtime.current()
+        relay = rt.relay
+        draining = relay.shutting_down
+        document = {
+            "status": "draining" if draining else "ok",
+            "version": __version__,
+            "workers_connected": len(relay.registry.workers),
+            "queue_depth": relay.queue_depth(),
+            "uptime_secs": round(time.time() - relay.started_wall, 3),
+        }
+        await _send_json(send, 503 if draining else 200, document)
+
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        rt = runtime.current()
+        token = rt.metrics_token
+        if token:
+            given = _header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given, b"Bearer " + token.encode()):
+                await _send_simple(send, 403, [(b"content-type", b"text/plain")], b"forbidden\n")
+                return
+        body = rt.metrics.render()
+        headers = [
+            (b"content-type", CONTENT_TYPE.encode()),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await _send_simple(send, 200, headers, body)
+
+    async def _models(self, scope: Scope, send: Send, path: str) -> None:
+        rt = runtime.current()
+        cors = rt.cors.headers(_header(scope, b"origin")) or []
+        anthropic = _header(scope, b"anthropic-version") is not None
+        flavor: Flavor = "anthropic" if anthropic else "openai"
+        await rt.ready()
+        try:
+            if scope["method"] not in ("GET", "HEAD"):
+                raise MethodNotAllowed("Use GET for /v1/models")
+            rt.authenticate(scope["headers"], flavor)
+        except RelayError as err:
+            await _send_error(send, err, flavor, cors)
+            return
+        models = rt.relay.routable_models()
+        created = int(rt.relay.started_wall)
+
+        def describe(model: str) -> dict[str, Any]:
+            if anthropic:
+                return {
+                    "type": "model",
+                    "id": model,
+                    "display_name": model,
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                }
+            owner = ",".join(sorted(models[model]))
+            return {"id": model, "object": "model", "created": created, "owned_by": owner}
+
+        if path in ("/v1/models", "/v1/models/"):
+            data = [describe(m) for m in sorted(models)]
+            if anthropic:
+                document: dict[str, Any] = {
+                    "data": data,
+                    "has_more": False,
+                    "first_id": data[0]["id"] if data else None,
+                    "last_id": data[-1]["id"] if data else None,
+                }
+            else:
+                document = {"object": "list", "data": data}
+            await _send_json(send, 200, document, cors)
+            return
+        model_id = path[len("/v1/models/") :]
+        if model_id not in models:
+            await _send_error(send, ModelNotFound(model_id), flavor, cors)
+            return
+        await _send_json(send, 200, describe(model_id), cors)
+
+
+async def respond(
+    relay: Relay,
+    request: RelayRequest,
+    receive: Receive,
+    send: Send,
+    extra_headers: list[tuple[bytes, bytes]],
+) -> None:
+    """Write ``request``'s outcome to the client until it ends or the client leaves."""
+    watcher = asyncio.ensure_future(_watch_disconnect(relay, request, receive))
+    try:
+        if request.is_streaming:
+            await _stream(request, send, extra_headers)
+        else:
+            await _unary(request, send, extra_headers)
+    finally:
+        watcher.cancel()
+        # No-op when the request already ended; otherwise the edge is going away
+        # (cancelled by the server, or a send failed): free the slot now.
+        relay.cancel(request, "client_disconnect")
+
+
+async def _watch_disconnect(relay: Relay, request: RelayRequest, receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            relay.cancel(request, "client_disconnect")
+            return
+
+
+async def _unary(request: RelayRequest, send: Send, extra: list[tuple[bytes, bytes]]) -> None:
+    while True:
+        for event in await request.next_events():
+            if isinstance(event, Completion):
+                await _send_completion(send, event, extra)
+                return
+            if isinstance(event, RelayError):
+                await _send_error(send, event, request.flavor, extra)
+                return
+            if event is CANCELLED:
+                return
+
+
+async def _stream(request: RelayRequest, send: Send, extra: list[tuple[bytes, bytes]]) -> None:
+    started = False
+    while True:
+        events = await request.next_events()
+        chunks: list[bytes] = []
+        terminal: object = None
+        for event in events:
+            if type(event) is bytes:
+                chunks.append(event)
+            else:
+                terminal = event
+        if chunks:
+            if not started:
+                started = True
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": STREAM_HEADERS + extra,
+                    }
+                )
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        if terminal is None:
+            continue
+        if terminal is CANCELLED:
+            return
+        if isinstance(terminal, Completion):
+            if not started:
+                # Nothing streamed (an upstream error, or a backend that ignored
+                # "stream"): the client gets the backend's answer as it was.
+                await _send_completion(send, terminal, extra)
+            else:
+                await send(
+                    {"type": "http.response.body", "body": terminal.body, "more_body": False}
+                )
+            return
+        if isinstance(terminal, RelayError):
+            if not started:
+                await _send_error(send, terminal, request.flavor, extra)
+            else:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": error_event(terminal, request.flavor),
+                        "more_body": False,
+                    }
+                )
+            return
+
+
+async def _send_completion(
+    send: Send, completion: Completion, extra: list[tuple[bytes, bytes]]
+) -> None:
+    headers = response_headers(completion.headers)
+    headers.append((b"content-length", str(len(completion.body)).encode()))
+    await send(
+        {"type": "http.response.start", "status": completion.status, "headers": headers + extra}
+    )
+    await send({"type": "http.response.body", "body": completion.body})
+
+
+async def _send_error(
+    send: Send, err: RelayError, flavor: Flavor, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    status, headers, body = error_response(err, flavor)
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_json(
+    send: Send, status: int, document: object, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = _JSON.encode(document)
+    await _send_simple(
+        send,
+        status,
+        [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        + (extra or []),
+        body,
+    )
+
+
+async def _send_simple(
+    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,118 @@
+"""Prometheus metrics for ``GET /metrics``.
+
+Counters and gauges are read from the relay's own state at scrape time (no double
+bookkeeping); latency histograms are fed by the request observer. Label values stay
+bounded because :class:`~relay.core.stats.RelayStats` reports unroutable models as
+``(unknown)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from relay.core.dispatch import Relay
+from relay.core.stats import RequestRecord
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RelayCollector(Collector):
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+
+    def collect(self) -> Iterator[Metric]:
+        relay = self.relay
+        stats = relay.stats
+        requests = CounterMetricFamily(
+            "modelrelay_requests",
+            "Client requests by endpoint, model and outcome.",
+            labels=["endpoint", "model", "outcome"],
+        )
+        for (endpoint, model, outcome), count in stats.by_endpoint_model_outcome.items():
+            requests.add_metric([endpoint, model, outcome], count)
+        yield requests
+        tokens = CounterMetricFamily(
+            "modelrelay_tokens", "Tokens reported by backends.", labels=["model", "kind"]
+        )
+        for (model, kind), count in stats.tokens.items():
+            tokens.add_metric([model, kind], count)
+        yield tokens
+        cancels = CounterMetricFamily(
+            "modelrelay_cancels", "Cancels sent to workers, by reason.", labels=["reason"]
+        )
+        for reason, count in stats.cancels.items():
+            cancels.add_metric([reason], count)
+        yield cancels
+        yield CounterMetricFamily(
+            "modelrelay_requeues",
+            "Requests put back in the queue after losing their worker.",
+            value=stats.requeues,
+        )
+        yield CounterMetricFamily(
+            "modelrelay_dropped_worker_frames",
+            "Worker frames dropped because their request was not in flight on that worker.",
+            value=stats.dropped_frames,
+        )
+        yield GaugeMetricFamily(
+            "modelrelay_requests_in_flight",
+            "Requests admitted and not yet finished.",
+            value=relay.active,
+        )
+        depth = GaugeMetricFamily("modelrelay_queue_depth", "Queued requests.", labels=["provider"])
+        workers = GaugeMetricFamily("modelrelay_workers", "Connected workers.", labels=["provider"])
+        load = GaugeMetricFamily("modelrelay_worker_load", "Busy slots.", labels=["provider"])
+        capacity = GaugeMetricFamily(
+            "modelrelay_worker_capacity", "Total slots.", labels=["provider"]
+        )
+        for name in sorted(relay.providers):
+            members = relay.registry.of_provider(name)
+            depth.add_metric([name], relay.queue_depth(name))
+            workers.add_metric([name], len(members))
+            load.add_metric([name], sum(w.load for w in members))
+            capacity.add_metric([name], sum(w.max_concurrent for w in members))
+        yield from (depth, workers, load, capacity)
+
+
+class RelayMetrics:
+    """One registry per relay runtime; :meth:`observe` is a request observer."""
+
+    def __init__(self, relay: Relay) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(RelayCollector(relay))
+        self.duration = Histogram(
+            "modelrelay_request_duration_seconds",
+            "Time from arrival to the end of the response.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttfb = Histogram(
+            "modelrelay_time_to_first_byte_seconds",
+            "Time from arrival to the first response byte.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "modelrelay_queue_wait_seconds",
+            "Time spent waiting in the queue.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def observe(self, record: RequestRecord) -> None:
+        if not record.request_id:
+            return  # rejected before admission: counted, no latency to report
+        self.duration.labels(record.endpoint).observe(record.duration)
+        self.queue_wait.labels(record.endpoint).observe(record.queue_wait)
+        if record.ttfb is not None:
+            self.ttfb.labels(record.endpoint).observe(record.ttfb)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

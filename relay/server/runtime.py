@@ -1,0 +1,279 @@
+"""The Django edge around the relay core: one :class:`Relay` per event loop.
+
+Builds the core's config from settings and keeps its provider table and the API-key
+cache in sync with the database (at once for changes made in this process, within
+SYNC_SECS for changes made elsewhere). Owns the background tasks that go with the
+relay (sync, request-log bookkeeping), the auth throttle and the metrics registry.
+HTTP handlers and the worker consumer reach the core only through :func:`current`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from django.conf import settings
+
+from relay.core import snapshot
+from relay.core.config import RelayConfig
+from relay.core.dispatch import Relay
+from relay.core.keycache import KeyCache, KnownKey
+from relay.core.ratelimit import AuthThrottle, Network, parse_networks
+from relay.server.bookkeeper import Bookkeeper, in_thread
+from relay.server.cluster import GROUP, Cluster
+from relay.server.cors import CorsPolicy
+from relay.server.metrics import RelayMetrics
+from relay.wire.errors import Flavor
+
+logger = logging.getLogger("relay.runtime")
+
+
+def relay_config() -> RelayConfig:
+    s = settings
+    return RelayConfig(
+        max_queue_len=s.MAX_QUEUE_LEN,
+        queue_timeout=s.QUEUE_TIMEOUT_SECS,
+        request_timeout=s.REQUEST_TIMEOUT_SECS,
+        heartbeat_interval=s.HEARTBEAT_INTERVAL_SECS,
+        heartbeat_timeout=s.HEARTBEAT_TIMEOUT_SECS,
+        register_timeout=s.REGISTER_TIMEOUT_SECS,
+        max_requeue_count=s.MAX_REQUEUE_COUNT,
+        max_models_per_worker=s.MAX_MODELS_PER_WORKER,
+        max_model_name_len=s.MAX_MODEL_NAME_LEN,
+        max_message_bytes=s.MAX_MESSAGE_BYTES,
+        max_stream_bytes=s.MAX_STREAM_BYTES,
+        max_request_bytes=s.MAX_REQUEST_BYTES,
+        model_memory=s.MODEL_MEMORY_SECS,
+        drain_timeout=s.DRAIN_TIMEOUT_SECS,
+        shutdown_grace=s.SHUTDOWN_GRACE_SECS,
+        require_protocol_version=s.REQUIRE_PROTOCOL_VERSION,
+    )
+
+
+class Runtime:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.config = relay_config()
+        self.relay = Relay(self.config, instance=secrets.token_hex(3))
+        self.throttle = AuthThrottle(
+            max_failures=settings.AUTH_MAX_FAILURES,
+            window=settings.AUTH_FAILURE_WINDOW_SECS,
+            block=settings.AUTH_BLOCK_SECS,
+        )
+        self.trusted_proxies: list[Network] = parse_networks(settings.TRUSTED_PROXIES)
+        self.cors = CorsPolicy(settings.CORS_ALLOWED_ORIGINS)
+        self.require_keys: bool = settings.MODELRELAY_REQUIRE_API_KEYS
+        self.metrics_token: str = settings.MODELRELAY_METRICS_TOKEN
+        self.keys = KeyCache(settings.SECRET_PEPPER)
+        self.bookkeeper = Bookkeeper(
+            self.keys,
+            flush_interval=settings.REQUEST_LOG_FLUSH_SECS,
+            retention_days=settings.AUDIT_RETENTION_DAYS,
+        )
+        self.metrics = RelayMetrics(self.relay)
+        self.relay.observers.extend(
+            [self.keys.observe, self.bookkeeper.observe, self.metrics.observe]
+        )
+        self.sockets = 0
+        self._sockets_gone = asyncio.Event()
+        self._poke = asyncio.Event()
+        self._loaded = asyncio.Event()
+        self._keys_version: tuple[object, int] | None = None
+        self._tasks: list[asyncio.Task[None]] = [
+            loop.create_task(self._sync_loop()),
+            loop.create_task(self.bookkeeper.run()),
+        ]
+        self.cluster: Cluster | None = None
+        if settings.REDIS_URL:
+            self.cluster = Cluster(self, settings.REDIS_URL, settings.REDIS_PREFIX)
+            self._tasks.append(loop.create_task(self.cluster.run()))
+
+    def authenticate(
+        self, headers: list[tuple[bytes, bytes]], flavor: Flavor
+    ) -> tuple[int | None, frozenset[str]]:
+        """Check the client's API key when keys are required.
+
+        Returns the key id (``None`` when keys are off) and the names of the headers
+        that carried relay credentials, which must not be forwarded to backends.
+        """
+        if not self.require_keys:
+            return None, frozenset()
+        return self.keys.authenticate(headers, flavor)
+
+    async def workers(self) -> list[dict[str, object]]:
+        """Connected workers: of every server process with Redis, else of this one."""
+        if self.cluster is not None:
+            return await self.cluster.workers()
+        return snapshot.workers(self.relay)
+
+    async def drain(self, worker_id: str, *, drain_secs: float | None = None, reason: str) -> bool:
+        """Drain a worker connected here or, with Redis, to another process."""
+        if self.relay.drain_worker(worker_id, timeout=drain_secs, reason=reason):
+            return True
+        return self.cluster is not None and await self.cluster.forward(
+            "drain", worker_id, timeout=drain_secs, reason=reason
+        )
+
+    async def refresh(self, worker_id: str, *, reason: str) -> bool:
+        """Ask a worker connected here or, with Redis, to another process for its models."""
+        if self.relay.refresh_models(worker_id, reason=reason):
+            return True
+        return self.cluster is not None and await self.cluster.forward(
+            "refresh", worker_id, reason=reason
+        )
+
+    async def ready(self) -> None:
+        """Wait (briefly, once) for the first provider load."""
+        if self._loaded.is_set():
+            return
+        try:
+            async with asyncio.timeout(10):
+                await self._loaded.wait()
+        except TimeoutError:
+            logger.error("provider table not loaded after 10 s; serving with what is known")
+
+    async def sync(self) -> None:
+        """Re-read providers (always) and API keys (when they changed)."""
+        from workers_app.models import Provider
+        from workers_app.services import provider_policy
+
+        as_of = self.loop.time()
+        rows = await in_thread(lambda: list(Provider.objects.all()))
+        self.relay.sync_providers([provider_policy(p, self.config) for p in rows], as_of=as_of)
+        if self.require_keys:
+            version, keys = await in_thread(_load_keys, self._keys_version)
+            if keys is not None:
+                self.keys.replace(keys)
+                logger.debug("API keys reloaded: %d active", len(keys))
+            self._keys_version = version
+        self._loaded.set()
+
+    async def _sync_loop(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception:
+                logger.exception("sync failed; keeping the last known providers and keys")
+            try:
+                async with asyncio.timeout(settings.SYNC_SECS):
+                    await self._poke.wait()
+            except TimeoutError:
+                pass
+            self._poke.clear()
+
+    def poke(self) -> None:
+        self._poke.set()
+
+    def socket_opened(self) -> None:
+        self.sockets += 1
+        self._sockets_gone.clear()
+
+    def socket_closed(self) -> None:
+        self.sockets -= 1
+        if self.sockets <= 0:
+            self._sockets_gone.set()
+
+    async def shutdown(self) -> None:
+        """Graceful stop: drain the relay, close workers with 1012, wait for the closes."""
+        await self.relay.shutdown(settings.SHUTDOWN_GRACE_SECS)
+        await self.bookkeeper.flush()
+        if self.sockets > 0:
+            try:
+                async with asyncio.timeout(5):
+                    await self._sockets_gone.wait()
+            except TimeoutError:
+                logger.warning("%d worker socket(s) did not close in time", self.sockets)
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+        await self.relay.aclose()
+
+
+def _load_keys(
+    seen: tuple[object, int] | None,
+) -> tuple[tuple[object, int], dict[str, KnownKey] | None]:
+    """Active keys, or None when nothing changed since ``seen`` (one cheap query)."""
+    from django.db.models import Count, Max
+
+    from keys.models import ApiKey
+
+    summary = ApiKey.objects.aggregate(latest=Max("updated_at"), count=Count("id"))
+    version = (summary["latest"], summary["count"])
+    if version == seen:
+        return version, None
+    rows = ApiKey.objects.filter(revoked_at__isnull=True).values_list("id", "prefix", "key_hash")
+    return version, {prefix: KnownKey(id=key_id, key_hash=h) for key_id, prefix, h in rows}
+
+
+_current: Runtime | None = None
+
+
+def current() -> Runtime:
+    """The runtime of the running event loop, created on first use."""
+    global _current
+    loop = asyncio.get_running_loop()
+    if _current is None or _current.loop is not loop:
+        _current = Runtime(loop)
+    return _current
+
+
+def peek() -> Runtime | None:
+    return _current
+
+
+def providers_changed() -> None:
+    """Thread-safe: make every server process reload providers and keys now.
+
+    Called from Django signals, in whatever thread saved the row (an admin request,
+    a management command). This process is poked directly; with Redis, all the
+    others are told through the channel layer.
+    """
+    runtime = _current
+    if runtime is not None and not runtime.loop.is_closed():
+        try:
+            runtime.loop.call_soon_threadsafe(runtime.poke)
+        except RuntimeError:  # loop closed between the check and the call
+            runtime = None
+    if not settings.REDIS_URL:
+        return
+    try:
+        if runtime is not None and runtime.cluster is not None:
+            future = asyncio.run_coroutine_threadsafe(
+                runtime.cluster.broadcast_sync(), runtime.loop
+            )
+            future.add_done_callback(_log_failure)
+        else:  # no server loop in this process (a management command)
+            from asgiref.sync import async_to_sync
+            from channels.layers import get_channel_layer
+
+            layer = get_channel_layer()
+            if layer is not None:
+                async_to_sync(layer.group_send)(GROUP, {"type": "relay.sync"})
+    except Exception:
+        logger.warning("could not broadcast a provider/key change through Redis", exc_info=True)
+
+
+def _log_failure(future: object) -> None:
+    exc = future.exception()  # type: ignore[attr-defined]
+    if exc is not None:
+        logger.warning("could not broadcast a provider/key change through Redis: %s", exc)
+
+
+keys_changed = providers_changed
+
+
+async def reset() -> None:
+    """Tear down the current runtime (tests; the next :func:`current` builds a new one)."""
+    global _current
+    runtime, _current = _current, None
+    if runtime is not None and runtime.loop is asyncio.get_running_loop():
+        await runtime.aclose()

@@ -1,0 +1,256 @@
+"""One WebSocket connection to the relay, from ``register`` to close (SPEC §7).
+
+``worker.Worker`` creates a :class:`Session` for each connection its reconnect loop
+opens and awaits :meth:`Session.run` until the connection ends. The session is typed
+against :class:`Owner`, the little it needs from the worker, so it never imports
+``worker.py``. Imports nothing from Django.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
+
+from relay.wire.errors import ProtocolError, ServiceUnavailable, error_body
+from relay.wire.protocol import (
+    PROTOCOL_VERSION,
+    Cancel,
+    GracefulShutdown,
+    ModelsRefresh,
+    ModelsUpdate,
+    Ping,
+    Pong,
+    Register,
+    RegisterAck,
+    Request,
+    ResponseComplete,
+    WorkerMessage,
+    decode_server_message,
+    encode,
+)
+from relay.worker.backend import Backend, flavor_of
+from relay.worker.config import Config
+from relay.worker.usage import format_counts
+
+# The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
+log = logging.getLogger("modelrelay.worker")
+
+
+class Owner(Protocol):
+    """What a session needs from the worker that owns it (``worker.Worker``)."""
+
+    #: Set once the worker stops taking work; a relay ``graceful_shutdown`` sets it too.
+    draining: bool
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def max_concurrent(self) -> int: ...
+
+    @property
+    def backend(self) -> Backend: ...
+
+    def advertised(self) -> list[str]:
+        """The models to register with: none while draining."""
+        ...
+
+    async def refresh_models(self, session: Session, *, always: bool) -> None:
+        """Re-read the backend's models and send ``models_update`` through ``session``."""
+        ...
+
+
+class Session:
+    """One WebSocket connection to the relay: register, serve frames, clean up.
+
+    Owns every task it starts (one per request plus helpers); all are cancelled and
+    awaited when the connection ends, which closes their backend connections.
+    """
+
+    def __init__(self, worker: Owner, ws: ClientConnection) -> None:
+        self.worker = worker
+        self.ws = ws
+        self.requests: dict[str, asyncio.Task[None]] = {}
+        self.children: set[asyncio.Task[Any]] = set()
+        self.registered_at: float | None = None
+        self.draining = False
+
+    @property
+    def load(self) -> int:
+        return len(self.requests)
+
+    async def send(self, message: WorkerMessage) -> None:
+        await self.ws.send(encode(message))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, name=name)
+        self.children.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task[Any]) -> None:
+        self.children.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        # A send racing the connection's end is expected; anything else is a bug to see.
+        if exc is not None and not isinstance(exc, ConnectionClosed):
+            log.error("task %s failed", task.get_name(), exc_info=exc)
+
+    async def run(self) -> None:
+        worker = self.worker
+        try:
+            await self.send(
+                Register(
+                    worker_name=worker.config.worker_name,
+                    models=worker.advertised(),
+                    max_concurrent=worker.max_concurrent,
+                    protocol_version=PROTOCOL_VERSION,
+                    current_load=0,
+                )
+            )
+            while True:
+                await self.on_frame(await self.ws.recv())
+        except ConnectionClosed:
+            pass
+        finally:
+            children = list(self.children)
+            for task in children:
+                task.cancel()
+            if children:
+                await asyncio.wait(children)
+
+    async def on_frame(self, raw: str | bytes) -> None:
+        """Handle one frame quickly; anything slow runs in a task of its own."""
+        try:
+            message = decode_server_message(raw)
+        except ProtocolError as exc:
+            log.warning("ignoring a frame the worker cannot parse: %s", exc.message[:300])
+            return
+        match message:
+            case Request():
+                await self.on_request(message)
+            case Cancel():
+                self.on_cancel(message)
+            case Ping():
+                pong = Pong(current_load=self.load, timestamp_unix_ms=message.timestamp_unix_ms)
+                await self.send(pong)
+            case RegisterAck():
+                self.on_ack(message)
+            case ModelsRefresh():
+                self.spawn(self.worker.refresh_models(self, always=True))
+            case GracefulShutdown():
+                log.info(
+                    "graceful shutdown requested by the proxy (%s): finishing %d in-flight "
+                    "request(s), then exiting",
+                    message.reason or "no reason given",
+                    self.load,
+                )
+                self.worker.draining = True
+                self.drain(announce=False)
+
+    def on_ack(self, ack: RegisterAck) -> None:
+        self.registered_at = asyncio.get_running_loop().time()
+        log.info(
+            "registered as worker %s with models: %s",
+            ack.worker_id,
+            ", ".join(ack.models) or "(none)",
+        )
+        for warning in ack.warnings:
+            log.warning("proxy warning on register: %s", warning)
+        if self.worker.config.models is None and not self.draining:
+            self.spawn(self._refresh_periodically(), name="model refresh")
+
+    async def on_request(self, request: Request) -> None:
+        rid = request.request_id
+        if self.worker.draining:
+            log.info("refusing request %s: the worker is shutting down", rid)
+            err = ServiceUnavailable("The worker is shutting down, please retry")
+            await self.send(
+                ResponseComplete(
+                    request_id=rid,
+                    status_code=503,
+                    headers={"content-type": "application/json", "retry-after": "1"},
+                    body=error_body(err, flavor_of(request.endpoint_path)).decode(),
+                )
+            )
+            return
+        if rid in self.requests:
+            log.warning("ignoring a second request with id %s", rid)
+            return
+        task = self.spawn(self.serve(request), name=f"request {rid}")
+        self.requests[rid] = task
+
+        def forget(done: asyncio.Task[Any]) -> None:
+            if self.requests.get(rid) is done:
+                del self.requests[rid]
+
+        task.add_done_callback(forget)
+
+    def on_cancel(self, cancel: Cancel) -> None:
+        # Popped at once: the relay freed the slot, so pongs must not count it.
+        task = self.requests.pop(cancel.request_id, None)
+        if task is None:
+            log.debug("cancel for %s: not in flight here", cancel.request_id)
+            return
+        log.info("cancelled request %s (%s)", cancel.request_id, cancel.reason)
+        task.cancel()
+
+    def drain(self, *, announce: bool) -> None:
+        """Stop taking work; close the connection once in-flight requests finished."""
+        if self.draining:
+            return
+        self.draining = True
+        if announce:
+            self.spawn(self.send(ModelsUpdate(models=[], current_load=self.load)))
+        self.spawn(self._close_when_idle(), name="drain")
+
+    async def _close_when_idle(self) -> None:
+        pending = list(self.requests.values())
+        if pending:
+            await asyncio.wait(pending)
+        log.info("graceful shutdown: no requests in flight; closing the connection")
+        await self.ws.close(1000, "worker drained")
+
+    async def _refresh_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self.worker.config.model_refresh_secs)
+            if not self.worker.draining:
+                await self.worker.refresh_models(self, always=False)
+
+    async def serve(self, request: Request) -> None:
+        """Forward one request to the backend and report its outcome to the relay."""
+        started = time.monotonic()
+        log.info(
+            "forwarding request %s: %s model=%s stream=%s",
+            request.request_id,
+            request.endpoint_path,
+            request.model,
+            request.is_streaming,
+        )
+        backend = self.worker.backend
+        try:
+            complete = await backend.exchange(request, self.send)
+            frame = encode(complete).encode()
+            if len(frame) > self.worker.config.max_message_bytes:
+                complete = backend.failure(request, "the backend's response is too large to relay")
+                frame = encode(complete).encode()
+            await self.ws.send(frame, text=True)
+            log.debug(
+                "completed request %s: status %d in %.3fs, tokens %s",
+                request.request_id,
+                complete.status_code,
+                time.monotonic() - started,
+                format_counts(complete.token_counts),
+            )
+        except asyncio.CancelledError:
+            log.debug("request %s aborted; backend connection closed", request.request_id)
+            raise
+        except ConnectionClosed:
+            pass  # the session is ending; the relay handles this request's fate

@@ -1,0 +1,406 @@
+"""The dashboard and the setup wizard in headless Chromium against a live server (SPEC §9).
+
+One ``manage.py serve`` for the module, a staff user created in its database through
+``manage.py createsuperuser``, Debian's Chromium driven by Playwright. Workers are
+raw WebSocket clients (dashboard) and the real ``worker.pyz`` the wizard serves,
+started with exactly the command the wizard shows, in front of a fake upstream.
+Every wait is on a page condition with a bounded timeout. Screenshots go to
+``test-artifacts/screenshots/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from relay.wire import protocol
+from tests.conftest import IN_CI
+from tests.live import ROOT, LiveServer, live_server
+from tests.upstream import FakeUpstream
+
+pytestmark = [pytest.mark.browser, pytest.mark.live]
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+SHOTS = ROOT / "test-artifacts" / "screenshots"
+USERNAME, PASSWORD = "operator", "correct-horse-battery"
+WAIT_MS = 10_000
+
+
+def require_chromium() -> None:
+    if CHROMIUM.exists():
+        return
+    message = f"{CHROMIUM} is missing: run scripts/install-chromium.sh"
+    if IN_CI:
+        pytest.fail(message + " (CI requires the browser tests)", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    require_chromium()
+    with live_server(tmp_path_factory.mktemp("browser")) as live:
+        env = {
+            **live.env,
+            "DJANGO_SUPERUSER_USERNAME": USERNAME,
+            "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
+            "DJANGO_SUPERUSER_EMAIL": "operator@example.com",
+        }
+        subprocess.run(
+            [sys.executable, "manage.py", "createsuperuser", "--noinput"],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        yield live
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    from playwright.async_api import async_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    async with async_playwright() as playwright:
+        chromium = await playwright.chromium.launch(
+            executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, headless=True
+        )
+        try:
+            yield chromium
+        finally:
+            await chromium.close()
+
+
+def shell_words(command: str) -> list[str]:
+    """Split a shown command as sh does, line continuations included."""
+    return shlex.split(command.replace("\\\n", " "))
+
+
+async def new_page(browser: Any, **options: Any) -> Any:
+    context = await browser.new_context(viewport={"width": 1280, "height": 860}, **options)
+    context.set_default_timeout(WAIT_MS)
+    return await context.new_page()
+
+
+async def log_in(page: Any) -> None:
+    """Fill in the admin login form the page was redirected to."""
+    await page.wait_for_url("**/django-admin/login/**")
+    await page.fill("#id_username", USERNAME)
+    await page.fill("#id_password", PASSWORD)
+    await page.click("input[type=submit]")
+
+
+async def shoot(page: Any, name: str, **options: Any) -> None:
+    await page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True, **options)
+
+
+class RawWorker:
+    """A worker speaking the wire protocol over a real socket; answers pings by itself.
+
+    Requests are answered at once, except those for a model in ``hold``: they wait
+    in ``held`` until the test answers them.
+    """
+
+    def __init__(self, ws: Any, hold: frozenset[str] = frozenset()) -> None:
+        self.ws = ws
+        self.hold = hold
+        self.held: asyncio.Queue[protocol.Request] = asyncio.Queue()
+        self.control: asyncio.Queue[Any] = asyncio.Queue()
+        self.load = 0
+        self.ack: protocol.RegisterAck | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def join(
+        cls,
+        server: LiveServer,
+        name: str,
+        models: list[str],
+        *,
+        max_concurrent: int = 1,
+        hold: frozenset[str] = frozenset(),
+    ) -> RawWorker:
+        ws = await websockets.connect(
+            server.ws_url + "?provider=local",
+            additional_headers={"X-Worker-Secret": server.secret},
+            max_size=None,
+        )
+        worker = cls(ws, hold)
+        register = protocol.Register(
+            worker_name=name, models=models, max_concurrent=max_concurrent, protocol_version="1"
+        )
+        await ws.send(protocol.encode(register))
+        async with asyncio.timeout(5):
+            ack = protocol.decode_server_message(await ws.recv())
+        assert isinstance(ack, protocol.RegisterAck), ack
+        worker.ack = ack
+        worker._task = asyncio.create_task(worker._pump())
+        return worker
+
+    @property
+    def id(self) -> str:
+        assert self.ack is not None
+        return self.ack.worker_id
+
+    async def _pump(self) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for raw in self.ws:
+                message = protocol.decode_server_message(raw)
+                if isinstance(message, protocol.Ping):
+                    await self.ws.send(protocol.encode(protocol.Pong(current_load=self.load)))
+                elif isinstance(message, protocol.Request):
+                    if message.model in self.hold:
+                        self.load += 1
+                        await self.held.put(message)
+                    else:
+                        await self.answer(message)
+                else:
+                    await self.control.put(message)
+
+    async def answer(self, request: protocol.Request) -> None:
+        body = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": request.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+        }
+        complete = protocol.ResponseComplete(
+            request_id=request.request_id,
+            status_code=200,
+            headers={"content-type": "application/json"},
+            body=json.dumps(body),
+            token_counts=protocol.TokenCounts(prompt_tokens=12, completion_tokens=30),
+        )
+        await self.ws.send(protocol.encode(complete))
+
+    async def expect(self, kind: type, timeout: float = 5.0) -> Any:
+        async with asyncio.timeout(timeout):
+            message = await self.control.get()
+        assert isinstance(message, kind), message
+        return message
+
+    async def close(self) -> None:
+        await self.ws.close()
+        if self._task is not None:
+            await self._task
+
+
+@contextlib.contextmanager
+def server_log_on_failure(server: LiveServer) -> Iterator[None]:
+    """On failure, print what the server logged meanwhile (pytest shows it with the error)."""
+    start = len(server.output)
+    try:
+        yield
+    except BaseException:
+        print("--- server log ---\n" + "".join(server.output[start:]))
+        raise
+
+
+async def test_the_dashboard_follows_workers_live_and_drains_them(server, browser):
+    with server_log_on_failure(server):
+        await _dashboard_flow(server, browser)
+
+
+async def test_the_wizard_walks_a_new_box_to_a_confirmed_live_worker(server, browser, tmp_path):
+    with server_log_on_failure(server):
+        await _wizard_flow(server, browser, tmp_path)
+
+
+async def _dashboard_flow(server: LiveServer, browser: Any) -> None:
+    from playwright.async_api import expect
+
+    page = await new_page(browser)
+    page.on("dialog", lambda dialog: dialog.accept())
+    await page.goto(server.url + "/dashboard")
+    await log_in(page)
+    await page.wait_for_url(server.url + "/dashboard")
+    await expect(page.locator("#live-status")).to_have_attribute("data-state", "live")
+    await expect(page.locator("#empty-state")).to_be_visible()
+    await expect(page.locator('#empty-state a[href="/setup"]')).to_be_visible()
+    await shoot(page, "dashboard-empty")
+
+    box1 = await RawWorker.join(
+        server,
+        "gpu-box-1",
+        ["llama3-8b", "qwen2.5-7b-instruct"],
+        max_concurrent=4,
+        hold=frozenset({"qwen2.5-7b-instruct"}),
+    )
+    box2 = await RawWorker.join(server, "gpu-box-2", ["mistral-7b"], max_concurrent=2)
+    try:
+        row1 = page.locator(f'#workers tr[data-worker-id="{box1.id}"]')
+        row2 = page.locator(f'#workers tr[data-worker-id="{box2.id}"]')
+        await expect(row1).to_contain_text("gpu-box-1")  # appeared without a reload
+        await expect(row1).to_contain_text("qwen2.5-7b-instruct")
+        await expect(row2).to_contain_text("0 / 2")
+        await expect(page.locator("#empty-state")).to_be_hidden()
+        await expect(page.locator("#stat-workers")).to_have_text("2")
+
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            for model in ("llama3-8b", "mistral-7b", "llama3-8b"):
+                body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+                assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+            missing = {"model": "no-such-model", "messages": []}
+            assert (await client.post("/v1/chat/completions", json=missing)).status_code == 404
+            held_call = asyncio.create_task(
+                client.post("/v1/chat/completions", json={"model": "qwen2.5-7b-instruct"})
+            )
+            async with asyncio.timeout(5):
+                held = await box1.held.get()
+            await expect(page.locator("#recent tbody tr")).to_have_count(4)
+            await expect(page.locator("#stat-inflight")).to_have_text("1")
+            await expect(row1.locator(".load-text")).to_have_text("1 / 4")
+            await shoot(page, "dashboard")
+            await page.set_viewport_size({"width": 390, "height": 844})
+            await page.wait_for_function(  # the chart is redrawn for the narrower screen
+                "document.querySelector('#rate-chart svg').getAttribute('width') < 390"
+            )
+            await shoot(page, "dashboard-mobile")
+            await page.set_viewport_size({"width": 1280, "height": 860})
+
+            await row1.locator('button[data-action="drain"]').click()
+            await box1.expect(protocol.GracefulShutdown)
+            await expect(row1.locator('[data-state="draining"]')).to_have_text("Draining")
+            await expect(row1.locator('button[data-action="drain"]')).to_be_disabled()
+            await shoot(page, "dashboard-draining")
+
+            await box1.answer(held)  # its last request done, the drained worker is closed
+            assert (await held_call).status_code == 200
+        await expect(row1).to_have_count(0)
+        await expect(row2).to_be_visible()
+
+        await row2.locator('button[data-action="refresh"]').click()
+        await box2.expect(protocol.ModelsRefresh)
+    finally:
+        await box1.close()
+        await box2.close()
+    await expect(page.locator("#empty-state")).to_be_visible()
+    await page.context.close()
+
+
+async def _start_shown_worker(command: str, tmp: Path) -> asyncio.subprocess.Process:
+    """Run the wizard's run command in ``tmp``, with this interpreter as the venv's python."""
+    argv = shell_words(command)
+    assert argv[:2] == ["modelrelay-worker/bin/python", "worker.pyz"], argv
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        *argv[1:],
+        cwd=tmp,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "WORKER_NAME": "wizard-box"},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+
+
+async def _stop(process: asyncio.subprocess.Process) -> tuple[int | None, str]:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        async with asyncio.timeout(10):
+            output, _ = await process.communicate()
+    except TimeoutError:
+        process.kill()
+        output, _ = await process.communicate()
+    return process.returncode, output.decode(errors="replace")
+
+
+async def _wizard_flow(server: LiveServer, browser: Any, tmp_path: Path) -> None:
+    from playwright.async_api import expect
+
+    page = await new_page(browser)
+    await page.goto(server.url + "/setup")
+    await page.locator('label.choice:has(input[value="linux"])').click()
+    await page.locator('label.choice:has(input[value="llama"])').click()
+    await shoot(page, "setup-1-platform")
+    await page.click("#next")
+
+    await page.wait_for_url("**/setup/backend?platform=linux&backend=llama")
+    await expect(page.locator("#backend-steps")).to_contain_text(
+        "llama-server -m model.gguf --port 8000 -np 4"
+    )
+    await shoot(page, "setup-2-backend")
+    await page.click("#next")
+
+    await log_in(page)  # step 3 needs staff; the login brings us back to it
+    await page.wait_for_url("**/setup/worker?platform=linux&backend=llama")
+    async with FakeUpstream(models=["tiny-llama"]) as upstream:
+        await page.fill("#id_name", "lab-gpus")
+        await page.fill("#id_backend_url", upstream.url)
+        await shoot(page, "setup-3-form")
+        await page.click("#create-secret")
+
+        secret = (await page.locator("#worker-secret").inner_text()).strip()
+        assert secret.startswith("mrw_")
+        script = await page.locator("#install-command-linux").inner_text()
+        run = await page.locator("#run-command-linux").inner_text()
+        assert f"curl -fsSLO {server.url}/setup/worker.pyz" in script
+        argv = shell_words(run)
+        assert argv[argv.index("--proxy-url") + 1] == server.url
+        assert argv[argv.index("--provider") + 1] == "lab-gpus"
+        assert argv[argv.index("--worker-secret") + 1] == secret
+        assert "--models" not in argv  # left empty: the worker asks the backend
+        await expect(page.locator("#waiting")).to_be_visible()
+        await shoot(page, "setup-3-command")
+
+        async with httpx.AsyncClient(timeout=10) as client:  # what the shown curl -O does
+            response = await client.get(f"{server.url}/setup/worker.pyz")
+            (tmp_path / "worker.pyz").write_bytes(response.content)
+        worker = await _start_shown_worker(run, tmp_path)
+        try:
+            await expect(page.locator("#ready")).to_be_visible(timeout=20_000)
+            await expect(page.locator("#ready-workers")).to_contain_text("wizard-box")
+            await expect(page.locator("#ready-workers")).to_contain_text("tiny-llama")
+            curl = await page.locator("#curl-test").inner_text()
+            await shoot(page, "setup-4-ready")
+            await page.set_viewport_size({"width": 390, "height": 844})
+            await shoot(page, "setup-4-ready-mobile")
+
+            answer = await _send_like_curl(curl, server.url)
+            assert answer["model"] == "tiny-llama" and answer["choices"]
+        finally:
+            code, log = await _stop(worker)
+        assert code == 0, log
+    await page.context.close()
+
+
+async def _send_like_curl(snippet: str, base_url: str) -> Any:
+    """Paste the shown curl test into a shell (or, without curl, send its URL and body)."""
+    argv = shell_words(snippet)
+    assert argv[0] == "curl" and argv[1] == f"{base_url}/v1/chat/completions", argv
+    if shutil.which("curl") and shutil.which("sh"):
+        process = await asyncio.create_subprocess_exec(
+            "sh", "-c", snippet + " --silent --show-error", stdout=asyncio.subprocess.PIPE
+        )
+        async with asyncio.timeout(15):
+            output, _ = await process.communicate()
+        assert process.returncode == 0
+        return json.loads(output)
+    async with httpx.AsyncClient(timeout=15) as client:
+        body = argv[argv.index("-d") + 1]
+        headers = {"Content-Type": "application/json"}
+        response = await client.post(argv[1], content=body, headers=headers)
+        return response.json()

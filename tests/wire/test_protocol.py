@@ -1,0 +1,92 @@
+"""Typed wire messages: every message type round-trips; bad frames are ProtocolErrors."""
+
+from __future__ import annotations
+
+import pytest
+
+from relay.wire import protocol
+from relay.wire.errors import ProtocolError
+
+SERVER_MESSAGES: list[protocol.ServerMessage] = [
+    protocol.RegisterAck(worker_id="w-1", models=["m"], warnings=["x"]),
+    protocol.Request(
+        request_id="r-1",
+        model="m",
+        endpoint_path="/v1/messages",
+        is_streaming=True,
+        body='{"model":"m"}',
+        headers={"anthropic-version": "2023-06-01"},
+    ),
+    protocol.Cancel(request_id="r-1", reason="client_disconnect"),
+    protocol.Ping(timestamp_unix_ms=1),
+    protocol.GracefulShutdown(reason="maintenance", drain_timeout_secs=30),
+    protocol.ModelsRefresh(reason="periodic"),
+]
+
+WORKER_MESSAGES: list[protocol.WorkerMessage] = [
+    protocol.Register(worker_name="gpu-1", models=["m"], max_concurrent=4, protocol_version="1"),
+    protocol.ModelsUpdate(models=["m", "n"], current_load=1),
+    protocol.ResponseChunk(request_id="r-1", chunk="data: {}\n\n"),
+    protocol.ResponseComplete(
+        request_id="r-1",
+        status_code=200,
+        headers={"content-type": "application/json"},
+        body="{}",
+        token_counts=protocol.TokenCounts(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+    ),
+    protocol.Pong(current_load=2, timestamp_unix_ms=5),
+    protocol.Error(request_id="r-1", message="backend exploded"),
+]
+
+
+@pytest.mark.parametrize("message", SERVER_MESSAGES, ids=lambda m: type(m).__name__)
+def test_server_messages_round_trip(message):
+    assert protocol.decode_server_message(protocol.encode(message)) == message
+
+
+@pytest.mark.parametrize("message", WORKER_MESSAGES, ids=lambda m: type(m).__name__)
+def test_worker_messages_round_trip(message):
+    assert protocol.decode_worker_message(protocol.encode(message)) == message
+
+
+def test_reference_register_frame_decodes():
+    raw = (
+        '{"type":"register","worker_name":"gpu-box-1","models":["llama3-8b"],'
+        '"max_concurrent":4,"protocol_version":"1","current_load":0,"future_field":true}'
+    )
+    assert protocol.decode_worker_message(raw) == protocol.Register(
+        worker_name="gpu-box-1", models=["llama3-8b"], max_concurrent=4, protocol_version="1"
+    )
+
+
+def test_wire_tags_and_field_names_match_the_reference():
+    text = protocol.encode(protocol.Cancel(request_id="r-2", reason="timeout"))
+    assert text == '{"type":"cancel","request_id":"r-2","reason":"timeout"}'
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ("{", "malformed JSON"),
+        ("[]", "Expected `object`"),
+        ('{"type":"launch_missiles"}', "Invalid value 'launch_missiles'"),
+        ('{"worker_name":"x"}', "missing required field `type`"),
+        ('{"type":"register"}', "missing required field `worker_name`"),
+        ('{"type":"register","worker_name":5}', "Expected `str`"),
+        ('{"type":"register","worker_name":"w","max_concurrent":0}', ">= 1"),
+        ('{"type":"pong","current_load":-1}', ">= 0"),
+        ('{"type":"response_chunk","request_id":"","chunk":"x"}', "length >= 1"),
+        ('{"type":"response_complete","request_id":"r","status_code":"200"}', "Expected `int`"),
+        ('{"type":"register_ack","worker_id":"w","models":[]}', "Invalid value 'register_ack'"),
+        (b'{"type":"error","message":"\xff"}', "not valid UTF-8"),
+    ],
+)
+def test_bad_worker_frames_raise_protocol_error(raw, reason):
+    with pytest.raises(ProtocolError) as err:
+        protocol.decode_worker_message(raw)
+    assert reason in str(err.value)
+
+
+def test_a_worker_cannot_send_server_messages():
+    with pytest.raises(ProtocolError):
+        protocol.decode_worker_message(protocol.encode(SERVER_MESSAGES[1]))
