@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from relay.core.config import ProviderPolicy, RelayConfig
-from relay.core.dispatch import Relay
-from relay.core.registry import Worker
-from relay.core.request import RelayRequest
+from relay.core.relay import Relay
+from relay.core.state import RelayRequest, Worker
 from relay.wire import protocol
 
 FAST = RelayConfig(

@@ -70,6 +70,44 @@ def test_imports_point_only_down_the_layers(package):
     assert problems == []
 
 
+def module_imports(path: Path) -> set[str]:
+    """The ``relay`` modules ``path`` imports anywhere (lazy and ``TYPE_CHECKING`` ones too)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("relay."))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if not node.module.startswith("relay"):
+                continue
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                is_module = (ROOT / Path(*name.split("."))).with_suffix(".py").is_file()
+                found.add(name if is_module else node.module)
+    return {name for name in found if name.count(".") >= 2}
+
+
+def test_no_module_imports_lead_in_a_circle():
+    graph = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts): module_imports(p)
+        for p in RELAY.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = [*path[path.index(module) :], module]
+            raise AssertionError("import circle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
 def test_worker_py_imports_only_the_shipped_packages():
     assert relay_imports(ROOT / "worker.py") <= {"wire", "worker"}
 

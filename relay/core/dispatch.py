@@ -1,6 +1,8 @@
-"""The relay core: admission, routing, the wait queue, deadlines and cancellation.
+"""The request side of the relay core: admission, routing, the wait queue, deadlines,
+cancellation and what happens to requests when their worker goes away.
 
-One :class:`Relay` per server process. Every method is synchronous and runs on the
+:class:`Dispatcher` is the base of :class:`relay.core.relay.Relay` (one per server
+process), which adds the frames that come from workers. Every method is synchronous and runs on the
 event loop, so each decision (pick a worker and reserve its slot, dequeue and
 assign, free a slot and hand it on) is atomic with respect to every other: there is
 no ``await`` between looking and acting.
@@ -26,10 +28,9 @@ import time
 from collections.abc import Callable, Iterable
 
 from relay.core.config import ProviderPolicy, RelayConfig
-from relay.core.fleet import Fleet
 from relay.core.queue import ProviderQueue
-from relay.core.registry import Registry, Worker
-from relay.core.request import CANCELLED, Completion, Phase, RelayRequest
+from relay.core.registry import Registry
+from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
 from relay.wire import protocol
 from relay.wire.errors import (
@@ -41,7 +42,9 @@ from relay.wire.errors import (
     QueueTimeout,
     RelayError,
     RequestTimeout,
+    RequeueExhausted,
     ShuttingDown,
+    WorkerLost,
 )
 from relay.wire.protocol import CancelReason
 
@@ -59,7 +62,7 @@ class ProviderState:
         self.touched = touched
 
 
-class Relay(Fleet):
+class Dispatcher:
     def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
@@ -367,6 +370,63 @@ class Relay(Fleet):
                 observer(record)
             except Exception:  # an observer must never break the request path
                 logger.exception("request observer failed")
+
+    # ------------------------------------------------------------------ worker loss
+
+    def detach_worker(self, worker: Worker, reason: str) -> None:
+        """The worker is gone: requeue what can be, fail the rest. Idempotent."""
+        if not worker.attached:
+            return
+        self.registry.remove(worker, self.loop.time())
+        timer = self._drain_timers.pop(worker.id, None)
+        if timer is not None:
+            timer.cancel()
+        logger.info("worker disconnected: %s (%s): %s", worker.name, worker.id, reason)
+        orphans = sorted(worker.in_flight.values(), key=lambda r: r.seq)
+        worker.in_flight.clear()
+        touched: set[str] = set()
+        for request in orphans:
+            request.worker = None
+            if self._requeue(request):
+                touched.add(request.provider)
+        for name in touched:
+            state = self.providers.get(name)
+            if state is not None:
+                self._dispatch_queue(state)
+
+    def _requeue(self, request: RelayRequest) -> bool:
+        now = self.loop.time()
+        state = self.providers.get(request.provider)
+        if request.delivered:
+            # Bytes already reached the client: replaying would duplicate output.
+            self._finish(request, WorkerLost())
+        elif state is None:
+            self._finish(request, ProviderGone())
+        elif not state.policy.enabled:
+            self._finish(request, ProviderDisabled())
+        elif self.shutting_down:
+            self._finish(request, ShuttingDown())
+        elif request.requeues >= self.config.max_requeue_count:
+            logger.warning("requeue exhausted: %s after %d attempts", request.id, request.requeues)
+            self._finish(request, RequeueExhausted())
+        elif now >= request.deadline:
+            self._finish(request, RequestTimeout())
+        else:
+            request.requeues += 1
+            request.buffer.clear()
+            request.streamed_bytes = 0
+            self.stats.requeues += 1
+            logger.info("request requeued: %s (attempt %d)", request.id, request.requeues + 1)
+            self._enqueue(state, request, now)
+            return True
+        return False
+
+    def close_worker(self, worker: Worker, code: int, reason: str) -> None:
+        """Close a worker's socket and handle it as gone, right now."""
+        if not worker.attached:
+            return
+        worker.link.close(code, reason)
+        self.detach_worker(worker, reason)
 
     # ------------------------------------------------------------------ capacity
 

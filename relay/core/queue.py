@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterator
 
-from relay.core.request import RelayRequest
+from relay.core.state import RelayRequest
 
 
 class ProviderQueue:

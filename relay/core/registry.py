@@ -2,29 +2,14 @@
 
 The registry only answers questions and records facts; the dispatcher decides.
 Selection is "lowest load, round-robin among equals" over non-draining workers that
-were acked for the model and have a free slot, where a worker's load is
-``max(reported_load, in_flight)`` so neither a stale pong nor a burst of new
-assignments can oversubscribe it.
+were acked for the model and have a free slot (see :attr:`Worker.load`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    from relay.core.dispatch import RelayRequest
-
-
-class WorkerLink(Protocol):
-    """The transport the core uses to reach one worker; never blocks the caller."""
-
-    def send(self, text: str) -> None:
-        """Queue one text frame; frames are delivered in call order."""
-
-    def close(self, code: int, reason: str) -> None:
-        """Close the socket after every frame queued before it."""
+from relay.core.state import Worker
 
 
 def sanitize_models(raw: list[str], *, cap: int, max_len: int) -> tuple[list[str], list[str]]:
@@ -69,34 +54,6 @@ def sanitize_models(raw: list[str], *, cap: int, max_len: int) -> tuple[list[str
 
 
 _worker_ids = itertools.count(1)
-
-
-@dataclass(eq=False, slots=True)
-class Worker:
-    id: str
-    provider: str
-    name: str
-    models: tuple[str, ...]
-    max_concurrent: int
-    link: WorkerLink
-    connected_at: float
-    last_pong: float
-    reported_load: int = 0
-    peer: str = ""
-    protocol_version: str | None = None
-    draining: bool = False
-    requests_served: int = 0
-    in_flight: dict[str, RelayRequest] = field(default_factory=dict)
-    attached: bool = True
-    model_set: frozenset[str] = frozenset()
-
-    @property
-    def load(self) -> int:
-        return max(self.reported_load, len(self.in_flight))
-
-    @property
-    def has_capacity(self) -> bool:
-        return not self.draining and self.load < self.max_concurrent
 
 
 class Registry:

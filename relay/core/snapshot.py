@@ -11,8 +11,8 @@ from typing import Any
 
 from relay import __version__
 from relay.core import timeline
-from relay.core.dispatch import Relay
-from relay.core.registry import Worker
+from relay.core.relay import Relay
+from relay.core.state import Worker
 
 
 def describe_worker(relay: Relay, worker: Worker) -> dict[str, Any]:

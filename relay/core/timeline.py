@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from relay.core.dispatch import Relay
+from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 
 #: Chart series, in drawing order (bottom of the stack first).

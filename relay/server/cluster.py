@@ -20,15 +20,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 from channels.layers import BaseChannelLayer, get_channel_layer
 
 from relay.core import snapshot
-
-if TYPE_CHECKING:
-    from relay.server.runtime import Runtime
+from relay.core.relay import Relay
 
 logger = logging.getLogger("relay.cluster")
 
@@ -38,10 +37,14 @@ PUBLISH_TTL = 5
 
 
 class Cluster:
-    def __init__(self, runtime: Runtime, redis_url: str, prefix: str) -> None:
-        self.runtime = runtime
+    def __init__(
+        self, relay: Relay, redis_url: str, prefix: str, *, on_sync: Callable[[], None]
+    ) -> None:
+        """``on_sync`` is called when another process changed providers or API keys."""
+        self.relay = relay
+        self.on_sync = on_sync
         self.prefix = prefix
-        self.instance = runtime.relay.instance
+        self.instance = relay.instance
         self.layer: BaseChannelLayer = get_channel_layer()
         self.redis = aioredis.from_url(redis_url, socket_timeout=None, decode_responses=True)
         self.channel: str | None = None
@@ -77,10 +80,10 @@ class Cluster:
 
     def handle(self, message: dict[str, Any]) -> None:
         logger.debug("control message: %s", message)
-        relay = self.runtime.relay
+        relay = self.relay
         match message.get("type"):
             case "relay.sync":
-                self.runtime.poke()
+                self.on_sync()
             case "relay.drain":
                 relay.drain_worker(
                     message["worker_id"],
@@ -98,7 +101,7 @@ class Cluster:
                 document = {
                     "instance": self.instance,
                     "channel": self.channel,
-                    "workers": snapshot.workers(self.runtime.relay),
+                    "workers": snapshot.workers(self.relay),
                 }
                 await self.redis.set(self._key, json.dumps(document), ex=PUBLISH_TTL)
             except Exception:
@@ -113,7 +116,7 @@ class Cluster:
 
     async def workers(self) -> list[dict[str, Any]]:
         """Workers of every live process (ours fresh, others as last published)."""
-        out = snapshot.workers(self.runtime.relay)
+        out = snapshot.workers(self.relay)
         for worker in out:
             worker["instance"] = self.instance
         for document in await self.instances():

@@ -21,9 +21,9 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 from django.utils import timezone
 
-from relay.core.dispatch import Relay
 from relay.core.ratelimit import client_address
-from relay.core.registry import Worker
+from relay.core.relay import Relay
+from relay.core.state import Worker
 from relay.server import runtime
 from relay.wire.errors import ProtocolError
 from relay.wire.protocol import (
@@ -52,7 +52,7 @@ def _reason(text: str) -> str:
 
 
 class ConsumerLink:
-    """:class:`relay.core.registry.WorkerLink` over a consumer; never blocks the caller."""
+    """:class:`relay.core.state.WorkerLink` over a consumer; never blocks the caller."""
 
     def __init__(self, consumer: WorkerConsumer) -> None:
         self._consumer = consumer

@@ -4,7 +4,7 @@ Inference routes, ``/v1/models``, ``/health`` and ``/metrics`` are served here
 directly, so they pay none of Django's per-request thread hand-offs; every other
 path falls through to Django (admin, JSON API, pages).
 
-A request's response loop waits on its :class:`~relay.core.request.RelayRequest`
+A request's response loop waits on its :class:`~relay.core.state.RelayRequest`
 mailbox while a watcher task turns ``http.disconnect`` into a cancel of that same
 request object: client disconnects, timeouts and worker loss all end in one place.
 """
@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 
 from relay import __version__
-from relay.core.dispatch import Relay
-from relay.core.request import CANCELLED, Completion, RelayRequest
+from relay.core.relay import Relay
+from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server import runtime
 from relay.server.metrics import CONTENT_TYPE
 from relay.wire.errors import (

@@ -17,9 +17,9 @@ from django.conf import settings
 
 from relay.core import snapshot
 from relay.core.config import RelayConfig
-from relay.core.dispatch import Relay
 from relay.core.keycache import KeyCache, KnownKey
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
+from relay.core.relay import Relay
 from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster import GROUP, Cluster
 from relay.server.cors import CorsPolicy
@@ -86,7 +86,9 @@ class Runtime:
         ]
         self.cluster: Cluster | None = None
         if settings.REDIS_URL:
-            self.cluster = Cluster(self, settings.REDIS_URL, settings.REDIS_PREFIX)
+            self.cluster = Cluster(
+                self.relay, settings.REDIS_URL, settings.REDIS_PREFIX, on_sync=self.poke
+            )
             self._tasks.append(loop.create_task(self.cluster.run()))
 
     def authenticate(

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from relay.core.config import ProviderPolicy
-from relay.core.request import CANCELLED, Completion, Phase, RelayRequest
+from relay.core.state import CANCELLED, Completion, Phase, RelayRequest
 from relay.wire import protocol
 from relay.wire.errors import (
     ModelNotFound,

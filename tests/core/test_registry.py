@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from relay.core.registry import Registry, Worker, sanitize_models
+from relay.core.registry import Registry, sanitize_models
+from relay.core.state import Worker
 from tests.corekit import RecordingLink
 
 

@@ -1,4 +1,6 @@
-"""One client request as it travels through the relay, and its mailbox.
+"""The two live records of the core, which point at each other: a :class:`RelayRequest`
+(one client request as it travels through the relay, with its mailbox) and a
+:class:`Worker` (one connected worker, with the requests in flight on it).
 
 The HTTP edge owns the client side of a :class:`RelayRequest`: it awaits
 :meth:`RelayRequest.next_events` and writes what arrives. The dispatcher owns the
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Final, Protocol
 
 from relay.core.stats import RequestRecord
 from relay.wire.errors import Flavor, RelayError
@@ -25,7 +27,6 @@ from relay.wire.errors import Flavor, RelayError
 if TYPE_CHECKING:
     from asyncio import Future, TimerHandle
 
-    from relay.core.registry import Worker
     from relay.wire.protocol import TokenCounts
 
 
@@ -196,3 +197,43 @@ class RelayRequest:
 
     def __repr__(self) -> str:
         return f"<RelayRequest {self.id} {self.model} {self.phase.name}>"
+
+
+class WorkerLink(Protocol):
+    """The transport the core uses to reach one worker; never blocks the caller."""
+
+    def send(self, text: str) -> None:
+        """Queue one text frame; frames are delivered in call order."""
+
+    def close(self, code: int, reason: str) -> None:
+        """Close the socket after every frame queued before it."""
+
+
+@dataclass(eq=False, slots=True)
+class Worker:
+    id: str
+    provider: str
+    name: str
+    models: tuple[str, ...]
+    max_concurrent: int
+    link: WorkerLink
+    connected_at: float
+    last_pong: float
+    reported_load: int = 0
+    peer: str = ""
+    protocol_version: str | None = None
+    draining: bool = False
+    requests_served: int = 0
+    in_flight: dict[str, RelayRequest] = field(default_factory=dict)
+    attached: bool = True
+    model_set: frozenset[str] = frozenset()
+
+    @property
+    def load(self) -> int:
+        """``max(reported_load, in_flight)``: neither a stale pong nor a burst of new
+        assignments can oversubscribe the worker."""
+        return max(self.reported_load, len(self.in_flight))
+
+    @property
+    def has_capacity(self) -> bool:
+        return not self.draining and self.load < self.max_concurrent

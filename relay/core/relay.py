@@ -1,8 +1,10 @@
-"""The worker side of the relay: registration, frames from workers, loss, drain, heartbeat.
+"""The relay: the dispatcher plus everything that comes from workers.
 
-:class:`Fleet` is a mixin of :class:`relay.core.dispatch.Relay`; it is kept apart so each
-module stays readable. Like the rest of the core, every method is synchronous and
-runs on the event loop, so each decision is atomic.
+:class:`Relay` is what the server edges hold (one per server process). It adds to
+:class:`relay.core.dispatch.Dispatcher` the worker side: registration, the frames a
+worker sends (chunks, completions, errors, pongs, model updates), drain, model
+refresh and the heartbeat. Like the rest of the core, every method is synchronous
+and runs on the event loop, so each decision is atomic.
 """
 
 from __future__ import annotations
@@ -11,60 +13,17 @@ import asyncio
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
 
-from relay.core.registry import Worker, WorkerLink, next_worker_id, sanitize_models
-from relay.core.request import Completion, RelayRequest
+from relay.core.dispatch import Dispatcher
+from relay.core.registry import next_worker_id, sanitize_models
+from relay.core.state import Completion, Worker, WorkerLink
 from relay.wire import protocol
-from relay.wire.errors import (
-    ProviderDisabled,
-    ProviderGone,
-    RelayError,
-    RequestTimeout,
-    RequeueExhausted,
-    ShuttingDown,
-    StreamTooLarge,
-    WorkerFailed,
-    WorkerLost,
-)
-
-if TYPE_CHECKING:
-    from relay.core.config import RelayConfig
-    from relay.core.dispatch import ProviderState
-    from relay.core.registry import Registry
-    from relay.core.stats import RelayStats
-    from relay.wire.protocol import CancelReason
+from relay.wire.errors import StreamTooLarge, WorkerFailed
 
 logger = logging.getLogger("relay")
 
 
-class Fleet:
-    # Provided by Relay (see relay.dispatch).
-    if TYPE_CHECKING:
-        config: RelayConfig
-        loop: asyncio.AbstractEventLoop
-        instance: str
-        registry: Registry
-        providers: dict[str, ProviderState]
-        stats: RelayStats
-        shutting_down: bool
-        _drain_timers: dict[str, asyncio.TimerHandle]
-        _heartbeat_task: asyncio.Task[None] | None
-
-        def _finish(
-            self,
-            request: RelayRequest,
-            result: Completion | RelayError | object,
-            *,
-            outcome: str | None = ...,
-            cancel_reason: str | None = ...,
-        ) -> None: ...
-        def _enqueue(self, state: ProviderState, request: RelayRequest, now: float) -> None: ...
-        def _abandon(self, request: RelayRequest, reason: CancelReason) -> None: ...
-        def _freed(self, worker: Worker) -> None: ...
-        def _feed(self, worker: Worker) -> None: ...
-        def _dispatch_queue(self, state: ProviderState) -> None: ...
-
+class Relay(Dispatcher):
     def attach_worker(
         self,
         *,
@@ -129,61 +88,6 @@ class Fleet:
         self._ensure_heartbeat()
         self._feed(worker)
         return worker, warnings
-
-    def detach_worker(self, worker: Worker, reason: str) -> None:
-        """The worker is gone: requeue what can be, fail the rest. Idempotent."""
-        if not worker.attached:
-            return
-        self.registry.remove(worker, self.loop.time())
-        timer = self._drain_timers.pop(worker.id, None)
-        if timer is not None:
-            timer.cancel()
-        logger.info("worker disconnected: %s (%s): %s", worker.name, worker.id, reason)
-        orphans = sorted(worker.in_flight.values(), key=lambda r: r.seq)
-        worker.in_flight.clear()
-        touched: set[str] = set()
-        for request in orphans:
-            request.worker = None
-            if self._requeue(request):
-                touched.add(request.provider)
-        for name in touched:
-            state = self.providers.get(name)
-            if state is not None:
-                self._dispatch_queue(state)
-
-    def _requeue(self, request: RelayRequest) -> bool:
-        now = self.loop.time()
-        state = self.providers.get(request.provider)
-        if request.delivered:
-            # Bytes already reached the client: replaying would duplicate output.
-            self._finish(request, WorkerLost())
-        elif state is None:
-            self._finish(request, ProviderGone())
-        elif not state.policy.enabled:
-            self._finish(request, ProviderDisabled())
-        elif self.shutting_down:
-            self._finish(request, ShuttingDown())
-        elif request.requeues >= self.config.max_requeue_count:
-            logger.warning("requeue exhausted: %s after %d attempts", request.id, request.requeues)
-            self._finish(request, RequeueExhausted())
-        elif now >= request.deadline:
-            self._finish(request, RequestTimeout())
-        else:
-            request.requeues += 1
-            request.buffer.clear()
-            request.streamed_bytes = 0
-            self.stats.requeues += 1
-            logger.info("request requeued: %s (attempt %d)", request.id, request.requeues + 1)
-            self._enqueue(state, request, now)
-            return True
-        return False
-
-    def close_worker(self, worker: Worker, code: int, reason: str) -> None:
-        """Close a worker's socket and handle it as gone, right now."""
-        if not worker.attached:
-            return
-        worker.link.close(code, reason)
-        self.detach_worker(worker, reason)
 
     def on_chunk(self, worker: Worker, request_id: str, chunk: str) -> None:
         request = worker.in_flight.get(request_id)
