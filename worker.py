@@ -8,12 +8,10 @@ Install on the GPU box (no Django needed)::
 
     pip install -r requirements-worker.txt      # websockets, httpx, msgspec
 
-and keep the ``relay/`` package beside this file. The worker imports only its
-Django-free modules: ``relay/__init__.py``, ``workerconfig.py`` (flags and
-environment), ``session.py`` (one connection to the relay), ``backend.py`` (discovery
-and forwarding to the local server), ``network.py`` (its sockets), ``usage.py`` (token
-counts), ``protocol.py`` (the
-wire messages shared with the server), ``errors.py``, ``sse.py`` and ``headers.py``.
+and keep beside this file ``relay/__init__.py`` with the two packages the worker
+imports, none of which import Django: ``relay/worker/`` (its settings, its connection
+to the relay, its backend client and token counting) and ``relay/wire/`` (the wire
+messages, errors and SSE events it shares with the server).
 
 Run::
 

@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
@@ -523,17 +524,17 @@ def test_the_served_worker_zipapp_runs(tmp_path):
     assert "--worker-secret" in result.stdout and "--proxy-url" in result.stdout
 
 
-def test_the_bundle_holds_the_worker_and_only_the_relay_modules_it_imports():
+def test_the_bundle_holds_the_worker_and_exactly_the_wire_and_worker_packages():
     built = bundle.worker_bundle()
     assert built.members[0] == "__main__.py"
-    assert {"relay/__init__.py", "relay/wire/protocol.py", "relay/wire/errors.py"} <= set(
-        built.members
-    )
-    assert not {
-        "relay/core/dispatch.py",
-        "relay/server/runtime.py",
-        "relay/pages/dashboard.py",
-    } & set(built.members)
+    root = Path(bundle.ROOT)
+    shipped = {
+        p.relative_to(root).as_posix()
+        for folder in ("relay/wire", "relay/worker")
+        for p in (root / folder).glob("*.py")
+    }
+    assert set(built.members) == {"__main__.py", "relay/__init__.py"} | shipped
+    assert "relay/worker/session.py" in shipped and "relay/wire/protocol.py" in shipped
     assert bundle.worker_bundle() is built  # cached while the sources are unchanged
     assert bundle.build().data == built.data  # reproducible
 
@@ -543,6 +544,14 @@ def test_the_worker_requirements_pin_what_the_bundled_modules_import():
     # imported in relay/).
     names = [pin.split("==")[0] for pin in bundle.worker_requirements()]
     assert names == ["websockets", "httpx", "msgspec", "httpcore"]
+
+
+def test_a_worker_that_imports_the_server_side_is_not_bundled(tmp_path, monkeypatch):
+    fake = tmp_path / "worker.py"
+    fake.write_text("from relay import __version__\nfrom relay.core import dispatch\n")
+    monkeypatch.setattr(bundle, "WORKER", fake)
+    with pytest.raises(bundle.BundleError, match="does not ship"):
+        bundle.build()
 
 
 def test_a_worker_that_imports_django_is_not_bundled(tmp_path, monkeypatch):
