@@ -22,6 +22,7 @@ Hierarchy::
     │   ├── QueueTimeout
     │   └── RequestTimeout
     ├── StreamTooLarge              (502, only ever seen mid-stream)
+    ├── SlowClient                  (499, only ever seen mid-stream)
     └── ProtocolError               (a worker broke the wire protocol: close 1002)
 
 Messages are stable and sanitized: they never echo worker internals to clients.
@@ -124,6 +125,15 @@ class StreamTooLarge(RelayError):
     code = "stream_too_large"
     default_message = "Response stream exceeded the relay's size limit"
     outcome = "stream_too_large"
+
+
+class SlowClient(RelayError):
+    """The client read a stream so slowly that the relay would have had to buffer too much."""
+
+    status = 499  # the client's doing, as nginx counts a client that gave up
+    code = "slow_client"
+    default_message = "The client read the stream too slowly; the relay ended it"
+    outcome = "slow_client"
 
 
 class ServiceUnavailable(RelayError):

@@ -7,6 +7,15 @@ nothing else. Unknown fields are ignored (newer peers may add some); unknown
 ``type`` values, wrong field types and missing required fields are errors.
 
 Field names follow the reference implementation so its workers interoperate.
+Every number and string a peer sends is bounded here, before anything uses it.
+
+Extensions beyond the reference are optional and negotiated: a worker lists what it
+supports in ``register.features`` and the server only sends it what it announced.
+
+- ``"flow_control"``: the server may send ``pause`` / ``resume`` for a streaming
+  request whose client reads slower than the backend writes; the worker stops
+  reading that backend response until ``resume`` (TCP then slows the backend).
+  Such a worker also understands every cancel reason in :data:`CancelReason`.
 """
 
 from __future__ import annotations
@@ -29,16 +38,42 @@ CancelReason = Literal[
     "worker_disconnect",
     "requeue_exhausted",
     "server_shutdown",
+    # Extensions: sent only to workers announcing a feature (see the module docstring).
+    "stream_limit",
+    "slow_client",
 ]
+#: The reasons every worker understands (the reference set).
+BASE_CANCEL_REASONS = frozenset(
+    {
+        "client_disconnect",
+        "timeout",
+        "graceful_shutdown",
+        "worker_disconnect",
+        "requeue_exhausted",
+        "server_shutdown",
+    }
+)
+FLOW_CONTROL = "flow_control"
+#: Features this implementation's worker and server both speak.
+FEATURES = (FLOW_CONTROL,)
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+#: Bounds on numbers from a peer: far above any real value, far below what could
+#: overflow a float or a metric (a worker once reported a load of 10**300).
+MAX_COUNT = 1_000_000
+MAX_TOKENS = 10**12
+MAX_TIMESTAMP_MS = 10**15
+
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+Timestamp = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMESTAMP_MS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+ShortText = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class TokenCounts(msgspec.Struct, omit_defaults=True):
-    prompt_tokens: NonNegative | None = None
-    completion_tokens: NonNegative | None = None
-    total_tokens: NonNegative | None = None
+    prompt_tokens: TokenCount | None = None
+    completion_tokens: TokenCount | None = None
+    total_tokens: TokenCount | None = None
 
 
 # --- server -> worker --------------------------------------------------------
@@ -49,6 +84,11 @@ class RegisterAck(msgspec.Struct, tag="register_ack", tag_field="type"):
     models: list[str]
     protocol_version: str = PROTOCOL_VERSION
     warnings: list[str] = []
+    #: Extensions (optional; absent for peers that do not send them): the server's
+    #: ping period, so a worker can tell a dead connection from a quiet one, and the
+    #: features of the worker's ``register`` that the server will use.
+    heartbeat_interval_secs: float | None = None
+    features: list[str] = []
 
 
 class Request(msgspec.Struct, tag="request", tag_field="type"):
@@ -62,11 +102,25 @@ class Request(msgspec.Struct, tag="request", tag_field="type"):
 
 class Cancel(msgspec.Struct, tag="cancel", tag_field="type"):
     request_id: str
-    reason: CancelReason
+    #: One of :data:`CancelReason`; any short string is accepted so that a newer
+    #: server's reason never makes a worker drop the cancel itself.
+    reason: ShortText
+
+
+class Pause(msgspec.Struct, tag="pause", tag_field="type"):
+    """Stop reading the backend's response for this request (``flow_control``)."""
+
+    request_id: str
+
+
+class Resume(msgspec.Struct, tag="resume", tag_field="type"):
+    """Read the backend's response for this request again (``flow_control``)."""
+
+    request_id: str
 
 
 class Ping(msgspec.Struct, tag="ping", tag_field="type"):
-    timestamp_unix_ms: int | None = None
+    timestamp_unix_ms: Timestamp | None = None
 
 
 class GracefulShutdown(msgspec.Struct, tag="graceful_shutdown", tag_field="type"):
@@ -78,17 +132,21 @@ class ModelsRefresh(msgspec.Struct, tag="models_refresh", tag_field="type"):
     reason: str | None = None
 
 
-ServerMessage = RegisterAck | Request | Cancel | Ping | GracefulShutdown | ModelsRefresh
+ServerMessage = (
+    RegisterAck | Request | Cancel | Ping | GracefulShutdown | ModelsRefresh | Pause | Resume
+)
 
 # --- worker -> server --------------------------------------------------------
 
 
 class Register(msgspec.Struct, tag="register", tag_field="type"):
-    worker_name: str
+    worker_name: ShortText
     models: list[str] = []
-    max_concurrent: Annotated[int, msgspec.Meta(ge=1)] = 1
-    protocol_version: str | None = None
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] = 1
+    protocol_version: ShortText | None = None
     current_load: NonNegative = 0
+    #: Optional extensions this worker supports (see the module docstring).
+    features: list[ShortText] = []
 
 
 class ModelsUpdate(msgspec.Struct, tag="models_update", tag_field="type"):
@@ -103,7 +161,7 @@ class ResponseChunk(msgspec.Struct, tag="response_chunk", tag_field="type"):
 
 class ResponseComplete(msgspec.Struct, tag="response_complete", tag_field="type"):
     request_id: RequestId
-    status_code: int
+    status_code: Annotated[int, msgspec.Meta(ge=0, le=999)]
     headers: dict[str, str] = {}
     body: str | None = None
     token_counts: TokenCounts | None = None
@@ -111,13 +169,18 @@ class ResponseComplete(msgspec.Struct, tag="response_complete", tag_field="type"
 
 class Pong(msgspec.Struct, tag="pong", tag_field="type"):
     current_load: NonNegative = 0
-    timestamp_unix_ms: int | None = None
+    timestamp_unix_ms: Timestamp | None = None
 
 
 class Error(msgspec.Struct, tag="error", tag_field="type"):
     message: str = ""
     request_id: RequestId | None = None
-    code: str | None = None
+    code: ShortText | None = None
+
+
+#: ``error.code`` with which a worker that is shutting down refuses a request it was
+#: sent before the server knew: the server puts the request back in the queue.
+WORKER_DRAINING = "worker_draining"
 
 
 WorkerMessage = Register | ModelsUpdate | ResponseChunk | ResponseComplete | Pong | Error
@@ -132,6 +195,19 @@ def encode(message: ServerMessage | WorkerMessage) -> str:
     return _encoder.encode(message).decode()
 
 
+def frame_fits(message: Request, limit: int) -> bool:
+    """True when ``message`` encodes to at most ``limit`` bytes.
+
+    Cheap for the usual request: JSON escaping makes a character at most six bytes,
+    so only bodies near ``limit / 6`` are encoded to be measured exactly.
+    """
+    chars = len(message.body) + len(message.model) + len(message.endpoint_path)
+    chars += len(message.request_id) + sum(len(k) + len(v) for k, v in message.headers.items())
+    if 6 * chars + 256 <= limit:
+        return True
+    return len(_encoder.encode(message)) <= limit
+
+
 def _decode(decoder: msgspec.json.Decoder, raw: str | bytes) -> object:
     try:
         return decoder.decode(raw)
@@ -141,6 +217,8 @@ def _decode(decoder: msgspec.json.Decoder, raw: str | bytes) -> object:
         raise ProtocolError(f"malformed JSON: {exc}") from None
     except UnicodeDecodeError:
         raise ProtocolError("frame is not valid UTF-8") from None
+    except RecursionError:
+        raise ProtocolError("JSON nested too deeply") from None
 
 
 def decode_worker_message(raw: str | bytes) -> WorkerMessage:
