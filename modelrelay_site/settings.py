@@ -206,7 +206,10 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
-        "plain": {"format": "%(asctime)s %(levelname)-7s %(name)s: %(message)s"},
+        "plain": {
+            "()": "modelrelay_site.logformat.OneLineFormatter",
+            "format": "%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        },
     },
     "handlers": {
         "console": {"class": "logging.StreamHandler", "formatter": "plain"},

@@ -51,6 +51,7 @@ class FakeWorker:
         via_query: bool = False,
         client: tuple[str, int] = ("192.0.2.10", 40000),
         headers: list[tuple[bytes, bytes]] | None = None,
+        application: Any = None,
     ) -> None:
         query = []
         if provider is not None:
@@ -62,7 +63,7 @@ class FakeWorker:
             else:
                 hdrs.append((b"x-worker-secret", secret.encode()))
         path = "/v1/worker/connect" + ("?" + "&".join(query) if query else "")
-        self.comm = WebsocketCommunicator(app(), path, headers=hdrs)
+        self.comm = WebsocketCommunicator(application or app(), path, headers=hdrs)
         self.comm.scope["client"] = client
         self.closed: tuple[int, str] | None = None
         self.ack: protocol.RegisterAck | None = None
@@ -180,6 +181,7 @@ class HttpCall:
         headers: list[tuple[bytes, bytes]] | None = None,
         *,
         content_type: bytes | None = b"application/json",
+        application: Any = None,
     ) -> None:
         if isinstance(body, dict):
             body = json.dumps(body)
@@ -201,7 +203,7 @@ class HttpCall:
             "client": ("198.51.100.7", 51000),
             "server": ("testserver", 80),
         }
-        self.comm = ApplicationCommunicator(app(), scope)
+        self.comm = ApplicationCommunicator(application or app(), scope)
         self.status: int | None = None
         self.headers: dict[str, str] = {}
 

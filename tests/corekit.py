@@ -30,9 +30,10 @@ class RecordingLink:
     frames: list[protocol.ServerMessage] = field(default_factory=list)
     closed: tuple[int, str] | None = None
 
-    def send(self, text: str) -> None:
+    def send(self, message: protocol.ServerMessage) -> None:
         assert self.closed is None, "frame sent after close"
-        self.frames.append(protocol.decode_server_message(text))
+        # Through the real encoding, as the WebSocket link would write it.
+        self.frames.append(protocol.decode_server_message(protocol.encode(message)))
 
     def close(self, code: int, reason: str) -> None:
         self.closed = (code, reason)

@@ -30,6 +30,12 @@ class RelayConfig:
     max_message_bytes: int = 64 * MIB
     max_stream_bytes: int = 256 * MIB
     max_request_bytes: int = 32 * MIB
+    #: What the relay buffers for one streaming client that reads slower than its
+    #: worker writes, and for all of them together (see SPEC §6 "Slow readers").
+    stream_buffer_bytes: int = 4 * MIB
+    stream_buffer_total_bytes: int = 256 * MIB
+    #: A client that takes nothing for this long while its response waits is cut off.
+    stall_timeout: float = 60.0
     model_memory: float = 600.0
     drain_timeout: float = 300.0
     shutdown_grace: float = 30.0

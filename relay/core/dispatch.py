@@ -36,6 +36,7 @@ from relay.wire import protocol
 from relay.wire.errors import (
     Flavor,
     ModelNotFound,
+    PayloadTooLarge,
     ProviderDisabled,
     ProviderGone,
     QueueFull,
@@ -44,6 +45,7 @@ from relay.wire.errors import (
     RequestTimeout,
     RequeueExhausted,
     ShuttingDown,
+    SlowClient,
     WorkerLost,
 )
 from relay.wire.protocol import CancelReason
@@ -74,6 +76,8 @@ class Dispatcher:
         self.started_wall = time.time()
         self.shutting_down = False
         self.active = 0
+        #: Streamed bytes pushed to the edges and not yet written to their clients.
+        self.buffered = 0
         self._seq = 0
         self._idle = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
@@ -108,13 +112,22 @@ class Dispatcher:
             self.remove_provider(name)
 
     def remove_provider(self, name: str) -> None:
-        """The provider was deleted: its queue fails and its workers are closed."""
-        self._evict_provider(name, ProviderGone, "provider deleted")
-        self.providers.pop(name, None)
+        """The provider was deleted: its queued and in-flight requests fail at once with the
+        generic provider error, and its workers are closed."""
+        state = self.providers.pop(name, None)
+        self._evict_provider(name, ProviderGone, "provider deleted", state)
         self.registry.forget_provider(name)
 
-    def _evict_provider(self, name: str, error: type[RelayError], reason: str) -> None:
-        state = self.providers.get(name)
+    def _evict_provider(
+        self,
+        name: str,
+        error: type[RelayError],
+        reason: str,
+        state: ProviderState | None = None,
+    ) -> None:
+        """Fail the provider's queue and close its workers; their requests in flight fail
+        too (``_requeue`` finds the provider gone or disabled), never wait in a queue."""
+        state = state or self.providers.get(name)
         if state is not None:
             for request in state.queue.drain():
                 self._finish(request, error())
@@ -185,9 +198,22 @@ class Dispatcher:
         key_id: int | None = None,
     ) -> RelayRequest:
         """Admit a client request: assign it now, queue it, or raise a RelayError."""
+        request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:
             if self.shutting_down:
                 raise ShuttingDown()
+            frame = protocol.Request(
+                request_id=request_id,
+                model=model,
+                endpoint_path=endpoint_path,
+                is_streaming=is_streaming,
+                body=body,
+                headers=headers,
+            )
+            if not protocol.frame_fits(frame, self.config.max_message_bytes):
+                # A worker could never receive it: refuse it here rather than have
+                # the send fail on every worker it is tried on.
+                raise PayloadTooLarge("Request is too large to relay to a worker")
             candidates = self._candidates(model)
         except RelayError as exc:
             self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
@@ -196,7 +222,7 @@ class Dispatcher:
         self._seq += 1
         primary = candidates[0]
         request = RelayRequest(
-            id=f"r-{self.instance}-{self._seq:x}",
+            id=request_id,
             seq=self._seq,
             provider=primary.policy.name,
             model=model,
@@ -240,8 +266,38 @@ class Dispatcher:
                 state.queue.remove(request)
         else:
             self._abandon(request, reason)
-        self.stats.cancels[reason] += 1
         self._finish(request, CANCELLED, outcome="cancelled", cancel_reason=reason)
+
+    def delivered(self, request: RelayRequest, size: int) -> None:
+        """The edge wrote ``size`` streamed bytes of ``request`` to its client.
+
+        Frees that much of the buffer budget; a request paused for its slow client
+        is resumed once it drained to half its bound (and the total is under its own).
+        """
+        size = min(size, request.pending)
+        request.pending -= size
+        self.buffered -= size
+        if (
+            request.paused
+            and request.pending <= self.config.stream_buffer_bytes // 2
+            and self.buffered <= self.config.stream_buffer_total_bytes
+        ):
+            request.paused = False
+            worker = request.worker
+            if worker is not None and worker.attached:
+                worker.link.send(protocol.Resume(request_id=request.id))
+
+    def stalled(self, request: RelayRequest) -> None:
+        """The edge cut off a client that read nothing for STALL_TIMEOUT_SECS."""
+        if request.phase is Phase.DONE:
+            return
+        self._abandon(request, "slow_client")
+        self._finish(request, SlowClient())
+
+    def release(self, request: RelayRequest) -> None:
+        """The edge is done with ``request``: whatever it did not write is no longer held."""
+        self.buffered -= request.pending
+        request.pending = 0
 
     def _enqueue(self, state: ProviderState, request: RelayRequest, now: float) -> None:
         request.phase = Phase.QUEUED
@@ -261,15 +317,13 @@ class Dispatcher:
         request.worker_name = worker.name
         worker.in_flight[request.id] = request
         worker.link.send(
-            protocol.encode(
-                protocol.Request(
-                    request_id=request.id,
-                    model=request.model,
-                    endpoint_path=request.endpoint_path,
-                    is_streaming=request.is_streaming,
-                    body=request.body,
-                    headers=request.headers,
-                )
+            protocol.Request(
+                request_id=request.id,
+                model=request.model,
+                endpoint_path=request.endpoint_path,
+                is_streaming=request.is_streaming,
+                body=request.body,
+                headers=request.headers,
             )
         )
         logger.debug("request dispatched: %s -> %s (%s)", request.id, worker.name, worker.id)
@@ -283,7 +337,10 @@ class Dispatcher:
         worker.in_flight.pop(request.id, None)
         request.worker = None
         if worker.attached:
-            worker.link.send(protocol.encode(protocol.Cancel(request_id=request.id, reason=reason)))
+            if reason not in protocol.BASE_CANCEL_REASONS and not worker.features:
+                reason = "client_disconnect"  # the nearest reason every worker knows
+            worker.link.send(protocol.Cancel(request_id=request.id, reason=reason))
+            self.stats.cancels[reason] += 1
             self._freed(worker)
 
     def _arm(self, request: RelayRequest, when: float) -> None:
@@ -305,7 +362,6 @@ class Dispatcher:
         elif request.phase is Phase.ASSIGNED:
             logger.info("request timeout: %s on %s", request.id, request.worker_name)
             self._abandon(request, "timeout")
-            self.stats.cancels["timeout"] += 1
             self._finish(request, RequestTimeout())
 
     def _finish(
@@ -390,11 +446,14 @@ class Dispatcher:
             if self._requeue(request):
                 touched.add(request.provider)
         for name in touched:
-            state = self.providers.get(name)
-            if state is not None:
-                self._dispatch_queue(state)
+            self._dispatch_provider(name)
 
-    def _requeue(self, request: RelayRequest) -> bool:
+    def _requeue(self, request: RelayRequest, *, spend: bool = True) -> bool:
+        """Put a request that lost its worker back at the front of its queue, or fail it.
+
+        ``spend=False`` when the worker refused it unstarted (it was shutting down):
+        that attempt does not count against MAX_REQUEUE_COUNT.
+        """
         now = self.loop.time()
         state = self.providers.get(request.provider)
         if request.delivered:
@@ -406,17 +465,18 @@ class Dispatcher:
             self._finish(request, ProviderDisabled())
         elif self.shutting_down:
             self._finish(request, ShuttingDown())
-        elif request.requeues >= self.config.max_requeue_count:
+        elif spend and request.requeues >= self.config.max_requeue_count:
             logger.warning("requeue exhausted: %s after %d attempts", request.id, request.requeues)
             self._finish(request, RequeueExhausted())
         elif now >= request.deadline:
             self._finish(request, RequestTimeout())
         else:
-            request.requeues += 1
+            if spend:
+                request.requeues += 1
+                self.stats.requeues += 1
             request.buffer.clear()
             request.streamed_bytes = 0
-            self.stats.requeues += 1
-            logger.info("request requeued: %s (attempt %d)", request.id, request.requeues + 1)
+            logger.info("request requeued: %s (requeue %d)", request.id, request.requeues)
             self._enqueue(state, request, now)
             return True
         return False
@@ -452,6 +512,11 @@ class Dispatcher:
                 return
             state.queue.remove(request)
             self._assign(request, worker, now)
+
+    def _dispatch_provider(self, name: str) -> None:
+        state = self.providers.get(name)
+        if state is not None:
+            self._dispatch_queue(state)
 
     def _dispatch_queue(self, state: ProviderState) -> None:
         """Place queued requests on any worker with room (after requeues)."""

@@ -3,6 +3,11 @@
 The registry only answers questions and records facts; the dispatcher decides.
 Selection is "lowest load, round-robin among equals" over non-draining workers that
 were acked for the model and have a free slot (see :attr:`Worker.load`).
+
+It also remembers, for MODEL_MEMORY_SECS, which models a vanished worker served, so
+a request for them queues while the worker restarts. That memory is keyed by names
+workers chose, so it is bounded: entries expire in order and the oldest go first
+when it is full.
 """
 
 from __future__ import annotations
@@ -10,6 +15,9 @@ from __future__ import annotations
 import itertools
 
 from relay.core.state import Worker
+
+#: Most (provider, model) pairs remembered after their last worker left.
+MAX_REMEMBERED_MODELS = 10_000
 
 
 def sanitize_models(raw: list[str], *, cap: int, max_len: int) -> tuple[list[str], list[str]]:
@@ -59,12 +67,14 @@ _worker_ids = itertools.count(1)
 class Registry:
     """Workers by id, indexed by ``(provider, model)`` for O(candidates) selection."""
 
-    def __init__(self, *, model_memory: float) -> None:
+    def __init__(self, *, model_memory: float, max_remembered: int = MAX_REMEMBERED_MODELS) -> None:
         self.workers: dict[str, Worker] = {}
         self._by_model: dict[tuple[str, str], list[Worker]] = {}
         self._cursor: dict[str, int] = {}
+        #: (provider, model) -> when its last worker left; oldest first (insertion order).
         self._last_seen: dict[tuple[str, str], float] = {}
         self._model_memory = model_memory
+        self._max_remembered = max_remembered
 
     # -- membership -----------------------------------------------------------
 
@@ -87,7 +97,9 @@ class Registry:
 
     def _index(self, worker: Worker) -> None:
         for model in worker.models:
-            self._by_model.setdefault((worker.provider, model), []).append(worker)
+            key = (worker.provider, model)
+            self._by_model.setdefault(key, []).append(worker)
+            self._last_seen.pop(key, None)  # served again: nothing to remember
 
     def _unindex(self, worker: Worker, now: float) -> None:
         for model in worker.models:
@@ -101,7 +113,18 @@ class Registry:
                 pass
             if not bucket:
                 del self._by_model[key]
-            self._last_seen[key] = now
+                self._last_seen.pop(key, None)
+                self._last_seen[key] = now  # re-inserted: the newest entry
+        self.forget_expired(now)
+
+    def forget_expired(self, now: float) -> None:
+        """Drop remembered models older than the memory, and the oldest beyond the cap."""
+        seen = self._last_seen
+        while seen:
+            key, at = next(iter(seen.items()))
+            if now - at <= self._model_memory and len(seen) <= self._max_remembered:
+                return
+            del seen[key]
 
     # -- queries --------------------------------------------------------------
 
@@ -142,12 +165,12 @@ class Registry:
 
     def remembers(self, provider: str, model: str, now: float) -> bool:
         seen = self._last_seen.get((provider, model))
-        if seen is None:
-            return False
-        if now - seen <= self._model_memory:
-            return True
-        del self._last_seen[(provider, model)]
-        return False
+        return seen is not None and now - seen <= self._model_memory
+
+    def remembered(self) -> int:
+        """How many (provider, model) pairs are remembered (expired ones may linger
+        until the next :meth:`forget_expired`)."""
+        return len(self._last_seen)
 
     def models(self) -> dict[str, set[str]]:
         """Routable models now: model -> providers with a connected worker for it."""

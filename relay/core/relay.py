@@ -13,12 +13,13 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Iterable
 
 from relay.core.dispatch import Dispatcher
 from relay.core.registry import next_worker_id, sanitize_models
-from relay.core.state import Completion, Worker, WorkerLink
+from relay.core.state import Completion, RelayRequest, Worker, WorkerLink
 from relay.wire import protocol
-from relay.wire.errors import StreamTooLarge, WorkerFailed
+from relay.wire.errors import SlowClient, StreamTooLarge, WorkerFailed
 
 logger = logging.getLogger("relay")
 
@@ -35,6 +36,7 @@ class Relay(Dispatcher):
         link: WorkerLink,
         peer: str = "",
         protocol_version: str | None = None,
+        features: Iterable[str] = (),
     ) -> tuple[Worker, list[str]]:
         """Register a worker; returns it and the warnings for its ``register_ack``.
 
@@ -62,18 +64,19 @@ class Relay(Dispatcher):
             link=link,
             connected_at=now,
             last_pong=now,
-            reported_load=current_load,
             peer=peer,
             protocol_version=protocol_version,
+            features=frozenset(features) & frozenset(protocol.FEATURES),
         )
+        worker.report_load(current_load)
         link.send(
-            protocol.encode(
-                protocol.RegisterAck(
-                    worker_id=worker.id,
-                    models=list(worker.models),
-                    protocol_version=protocol.PROTOCOL_VERSION,
-                    warnings=warnings,
-                )
+            protocol.RegisterAck(
+                worker_id=worker.id,
+                models=list(worker.models),
+                protocol_version=protocol.PROTOCOL_VERSION,
+                warnings=warnings,
+                heartbeat_interval_secs=self.config.heartbeat_interval,
+                features=sorted(worker.features),
             )
         )
         self.registry.add(worker)
@@ -95,19 +98,59 @@ class Relay(Dispatcher):
             self._stray(worker, "response_chunk", request_id)
             return
         data = chunk.encode()
-        request.streamed_bytes += len(data)
+        size = len(data)
+        request.streamed_bytes += size
         if request.streamed_bytes > self.config.max_stream_bytes:
             logger.warning("stream ceiling reached: %s on %s", request.id, worker.name)
-            self._abandon(request, "client_disconnect")
+            self._abandon(request, "stream_limit")
             self._finish(request, StreamTooLarge())
             return
-        if request.is_streaming:
-            if not request.delivered:
-                request.delivered = True
-                request.first_byte_at = self.loop.time()
-            request.push(data)
-        else:
+        if not request.is_streaming:
+            # Kept until the completion: as large as one message may be, no larger.
+            if request.streamed_bytes > self.config.max_message_bytes:
+                logger.warning(
+                    "non-streaming response too large: %s on %s", request.id, worker.name
+                )
+                self._abandon(request, "stream_limit")
+                self._finish(request, WorkerFailed("The response is too large to relay"))
+                return
             request.buffer.append(chunk)
+            return
+        if not request.delivered:
+            request.delivered = True
+            request.first_byte_at = self.loop.time()
+        request.pending += size
+        self.buffered += size
+        request.push(data)
+        if request.pending > self.config.stream_buffer_bytes or (
+            self.buffered > self.config.stream_buffer_total_bytes
+        ):
+            self._hold_back(request, worker)
+
+    def _hold_back(self, request: RelayRequest, worker: Worker) -> None:
+        """More is buffered for ``request``'s client than allowed: pause its source or cut it.
+
+        A worker that speaks flow control is asked to stop reading that backend
+        response (the bytes already on their way still arrive); past twice the
+        per-request bound, or for any other worker, the stream is ended with the
+        error event and the worker gets ``cancel``. Nothing here waits: the other
+        requests on the same socket carry on.
+        """
+        limit = self.config.stream_buffer_bytes
+        if protocol.FLOW_CONTROL in worker.features and request.pending <= 2 * limit:
+            if not request.paused:
+                request.paused = True
+                self.stats.pauses += 1
+                worker.link.send(protocol.Pause(request_id=request.id))
+            return
+        logger.warning(
+            "slow client: %s has %d bytes buffered (%d in all); ending its stream",
+            request.id,
+            request.pending,
+            self.buffered,
+        )
+        self._abandon(request, "slow_client")
+        self._finish(request, SlowClient())
 
     def on_complete(self, worker: Worker, message: protocol.ResponseComplete) -> None:
         request = worker.in_flight.pop(message.request_id, None)
@@ -116,7 +159,9 @@ class Relay(Dispatcher):
             return
         request.worker = None
         worker.requests_served += 1
-        if not 100 <= message.status_code <= 599:
+        if not 200 <= message.status_code <= 599:
+            # 1xx would let a worker write a second response onto the client's
+            # connection (response splitting); only final statuses are relayed.
             logger.warning(
                 "worker %s sent invalid status %r for %s",
                 worker.name,
@@ -141,15 +186,27 @@ class Relay(Dispatcher):
             self._stray(worker, "error", message.request_id)
             return
         request.worker = None
-        logger.warning("worker %s failed %s: %s", worker.name, request.id, message.message[:500])
-        self._finish(request, WorkerFailed())
+        if message.code == protocol.WORKER_DRAINING:
+            # Sent to a worker that was already shutting down: it never started, so
+            # it goes back to the front of the queue at no cost to its requeue budget.
+            logger.info(
+                "worker %s is shutting down; %s goes back to the queue", worker.name, request.id
+            )
+            worker.draining = True
+            if self._requeue(request, spend=False):
+                self._dispatch_provider(request.provider)
+        else:
+            logger.warning(
+                "worker %s failed %s: %s", worker.name, request.id, message.message[:500]
+            )
+            self._finish(request, WorkerFailed())
         self._freed(worker)
 
     def on_pong(self, worker: Worker, current_load: int) -> None:
         worker.last_pong = self.loop.time()
-        previous = worker.reported_load
-        worker.reported_load = current_load
-        if current_load < previous:
+        before = worker.load
+        worker.report_load(current_load)
+        if worker.load < before:
             self._feed(worker)
 
     def on_models_update(
@@ -162,7 +219,7 @@ class Relay(Dispatcher):
         )
         self.registry.set_models(worker, accepted, self.loop.time())
         if current_load is not None:
-            worker.reported_load = current_load
+            worker.report_load(current_load)
         logger.info("worker %s models updated: %s", worker.name, ",".join(accepted) or "(none)")
         self._feed(worker)
         return warnings
@@ -189,9 +246,7 @@ class Relay(Dispatcher):
         worker.draining = True
         logger.info("graceful shutdown: draining %s (%s): %s", worker.name, worker.id, reason)
         worker.link.send(
-            protocol.encode(
-                protocol.GracefulShutdown(reason=reason, drain_timeout_secs=math.ceil(timeout))
-            )
+            protocol.GracefulShutdown(reason=reason, drain_timeout_secs=math.ceil(timeout))
         )
         if not worker.in_flight:
             self.close_worker(worker, 1000, "worker drained")
@@ -205,7 +260,7 @@ class Relay(Dispatcher):
         worker = self.registry.workers.get(worker_id)
         if worker is None:
             return False
-        worker.link.send(protocol.encode(protocol.ModelsRefresh(reason=reason)))
+        worker.link.send(protocol.ModelsRefresh(reason=reason))
         return True
 
     def _ensure_heartbeat(self) -> None:
@@ -229,7 +284,7 @@ class Relay(Dispatcher):
                         self.close_worker(worker, 1001, "worker heartbeat timed out")
                 if now - last_ping >= interval:
                     last_ping = now
-                    ping = protocol.encode(protocol.Ping(timestamp_unix_ms=int(time.time() * 1000)))
+                    ping = protocol.Ping(timestamp_unix_ms=int(time.time() * 1000))
                     for worker in self.registry.workers.values():
                         worker.link.send(ping)
             except Exception:  # keep beating for everyone else

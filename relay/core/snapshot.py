@@ -69,6 +69,13 @@ def stats(relay: Relay) -> dict[str, Any]:
         "requeues": s.requeues,
         "cancels": dict(sorted(s.cancels.items())),
         "dropped_worker_frames": s.dropped_frames,
+        "streams": {
+            "buffered_bytes": relay.buffered,
+            "paused": sum(
+                1 for w in relay.registry.workers.values() for r in w.in_flight.values() if r.paused
+            ),
+            "pauses": s.pauses,
+        },
     }
 
 

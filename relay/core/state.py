@@ -12,6 +12,10 @@ other side and is the only writer. Events are:
 - :data:`CANCELLED`: the client went away; nothing more will be written.
 
 Exactly one terminal event (anything but ``bytes``) is ever pushed.
+
+Streamed bytes count as *pending* from the moment they are pushed until the edge
+reports them written to the client (:meth:`relay.core.dispatch.Dispatcher.delivered`):
+that is what the relay buffers for a client, and what flow control bounds.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from relay.wire.errors import Flavor, RelayError
 if TYPE_CHECKING:
     from asyncio import Future, TimerHandle
 
-    from relay.wire.protocol import TokenCounts
+    from relay.wire.protocol import ServerMessage, TokenCounts
 
 
 class Phase(enum.IntEnum):
@@ -76,6 +80,8 @@ class RelayRequest:
         "key_id",
         "model",
         "outcome",
+        "paused",
+        "pending",
         "phase",
         "provider",
         "queue_deadline",
@@ -133,6 +139,10 @@ class RelayRequest:
         #: then on the request can never be requeued (it would duplicate output).
         self.delivered = False
         self.streamed_bytes = 0
+        #: Streamed bytes pushed to the edge and not yet written to the client.
+        self.pending = 0
+        #: True while the worker was asked to stop reading this response.
+        self.paused = False
         self.buffer: list[str] = []
         self.timer: TimerHandle | None = None
         self.status: int | None = None
@@ -202,8 +212,11 @@ class RelayRequest:
 class WorkerLink(Protocol):
     """The transport the core uses to reach one worker; never blocks the caller."""
 
-    def send(self, text: str) -> None:
-        """Queue one text frame; frames are delivered in call order."""
+    def send(self, message: ServerMessage) -> None:
+        """Queue one message; messages are delivered in call order.
+
+        The link owns the encoding: the WebSocket consumer writes it as a JSON text
+        frame, other kinds of worker translate it to what they speak."""
 
     def close(self, code: int, reason: str) -> None:
         """Close the socket after every frame queued before it."""
@@ -219,9 +232,16 @@ class Worker:
     link: WorkerLink
     connected_at: float
     last_pong: float
+    #: The load of its last pong (shown to operators; see :attr:`extra_load`).
     reported_load: int = 0
+    #: Requests the worker still runs that the server no longer counts (it cancelled
+    #: them and the worker has not stopped yet), as its last pong or models_update
+    #: showed them. Never more than what the worker said beyond ``in_flight``.
+    extra_load: int = 0
     peer: str = ""
     protocol_version: str | None = None
+    #: Protocol extensions the worker announced (``register.features``).
+    features: frozenset[str] = frozenset()
     draining: bool = False
     requests_served: int = 0
     in_flight: dict[str, RelayRequest] = field(default_factory=dict)
@@ -230,9 +250,22 @@ class Worker:
 
     @property
     def load(self) -> int:
-        """``max(reported_load, in_flight)``: neither a stale pong nor a burst of new
-        assignments can oversubscribe the worker."""
-        return max(self.reported_load, len(self.in_flight))
+        """Busy slots: what the server knows is in flight, plus what only the worker knows.
+
+        A completion or cancel frees its slot at once (``in_flight`` shrinks); a pong
+        can add load the server does not know about but never hold a freed slot.
+        """
+        return len(self.in_flight) + self.extra_load
+
+    def report_load(self, current_load: int) -> None:
+        """Take the worker's own count of running requests (pong, register, models_update).
+
+        The frames are ordered on the socket: everything the worker finished before
+        counting has already been processed here, so whatever it counts beyond
+        ``in_flight`` is work the server stopped tracking.
+        """
+        self.reported_load = current_load
+        self.extra_load = max(0, current_load - len(self.in_flight))
 
     @property
     def has_capacity(self) -> bool:

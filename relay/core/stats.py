@@ -68,29 +68,46 @@ class RequestRecord:
 
 
 _UNROUTED = frozenset({"model_not_found", "bad_request", "unauthorized"})
+#: Distinct model names counted separately; later ones are counted as ``(other)``.
+#: Model names come from workers and clients, so the label set must stay bounded.
+MAX_MODEL_LABELS = 500
 
 
 class RelayStats:
-    """Running totals since the process started."""
+    """Running totals since the process started (bounded however names churn)."""
 
-    def __init__(self, *, recent: int = 200) -> None:
+    def __init__(self, *, recent: int = 200, max_models: int = MAX_MODEL_LABELS) -> None:
         self.by_outcome: Counter[str] = Counter()
         self.by_endpoint_model_outcome: Counter[tuple[str, str, str]] = Counter()
         self.tokens: Counter[tuple[str, str]] = Counter()
+        #: Cancels sent to workers, by reason (queued requests that end never reach one).
         self.cancels: Counter[str] = Counter()
         self.requeues = 0
         self.dropped_frames = 0
+        #: Times a worker was asked to pause a stream for a slow client.
+        self.pauses = 0
         self.recent: deque[RequestRecord] = deque(maxlen=recent)
+        self._models: set[str] = set()
+        self._max_models = max_models
+
+    def model_label(self, model: str) -> str:
+        """``model`` as a counter key: its name while fewer than the cap were seen."""
+        if model in self._models:
+            return model
+        if len(self._models) < self._max_models:
+            self._models.add(model)
+            return model
+        return "(other)"
 
     def observe(self, record: RequestRecord) -> None:
         self.by_outcome[record.outcome] += 1
         # Clients can send any model name; only routable ones become label values.
-        model = "(unknown)" if record.outcome in _UNROUTED else record.model
+        model = "(unknown)" if record.outcome in _UNROUTED else self.model_label(record.model)
         self.by_endpoint_model_outcome[(record.endpoint, model, record.outcome)] += 1
         if record.prompt_tokens:
-            self.tokens[(record.model, "prompt")] += record.prompt_tokens
+            self.tokens[(model, "prompt")] += record.prompt_tokens
         if record.completion_tokens:
-            self.tokens[(record.model, "completion")] += record.completion_tokens
+            self.tokens[(model, "completion")] += record.completion_tokens
         self.recent.append(record)
 
     @property

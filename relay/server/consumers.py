@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -25,7 +26,7 @@ from relay.core.ratelimit import client_address
 from relay.core.relay import Relay
 from relay.core.state import Worker
 from relay.server import runtime
-from relay.wire.errors import ProtocolError
+from relay.wire.errors import ProtocolError, describe
 from relay.wire.protocol import (
     Error,
     ModelsUpdate,
@@ -33,7 +34,9 @@ from relay.wire.protocol import (
     Register,
     ResponseChunk,
     ResponseComplete,
+    ServerMessage,
     decode_worker_message,
+    encode,
 )
 
 logger = logging.getLogger("relay.worker_socket")
@@ -51,19 +54,31 @@ def _reason(text: str) -> str:
     return text.encode()[:_MAX_REASON].decode(errors="ignore")
 
 
-class ConsumerLink:
-    """:class:`relay.core.state.WorkerLink` over a consumer; never blocks the caller."""
+def consumer_label(consumer: WorkerConsumer) -> str:
+    worker = consumer.worker
+    return f"{worker.name!r} ({worker.id})" if worker else f"(unregistered, peer {consumer.peer})"
 
-    def __init__(self, consumer: WorkerConsumer) -> None:
+
+class ConsumerLink:
+    """:class:`relay.core.state.WorkerLink` over a consumer; never blocks the caller.
+
+    One writer task drains the outbox in order. If a send fails (the socket library
+    refused the frame, or the socket is already closing), the link stops for good:
+    ``on_failure`` detaches the worker at once, so its requests follow the disconnect
+    rules instead of waiting for a heartbeat timeout, and the socket is closed.
+    """
+
+    def __init__(self, consumer: WorkerConsumer, on_failure: Callable[[str], None]) -> None:
         self._consumer = consumer
+        self._on_failure = on_failure
         self._outbox: deque[str | tuple[int, str]] = deque()
         self._wake = asyncio.Event()
         self.closed_with: tuple[int, str] | None = None
         self._task = asyncio.get_running_loop().create_task(self._write())
 
-    def send(self, text: str) -> None:
+    def send(self, message: ServerMessage) -> None:
         if self.closed_with is None:
-            self._outbox.append(text)
+            self._outbox.append(encode(message))
             self._wake.set()
 
     def close(self, code: int, reason: str) -> None:
@@ -74,21 +89,41 @@ class ConsumerLink:
 
     async def _write(self) -> None:
         consumer = self._consumer
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._outbox:
-                item = self._outbox.popleft()
-                if isinstance(item, tuple):
-                    await consumer.close(code=item[0], reason=item[1])
-                    return
-                await consumer.send(text_data=item)
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while self._outbox:
+                    item = self._outbox.popleft()
+                    if isinstance(item, tuple):
+                        await consumer.close(code=item[0], reason=item[1])
+                        return
+                    await consumer.send(text_data=item)
+        except Exception as exc:
+            await self._failed(exc)
+
+    async def _failed(self, exc: Exception) -> None:
+        self._outbox.clear()
+        closing = self.closed_with is not None
+        if not closing:
+            self.closed_with = (1011, "could not send to the worker")
+        logger.warning(
+            "could not send to worker %s (%s); closing it",
+            consumer_label(self._consumer),
+            describe(exc),
+        )
+        self._on_failure("could not send to the worker")
+        if not closing:
+            try:
+                await self._consumer.close(code=1011, reason=self.closed_with[1])  # type: ignore[index]
+            except Exception:
+                pass  # the socket is gone already; the worker reconnects
 
     async def aclose(self) -> None:
         self._task.cancel()
         try:
             await self._task
-        except asyncio.CancelledError:
+        except BaseException:
             pass
 
 
@@ -118,7 +153,15 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 message = await receive()
                 match message["type"]:
                     case "websocket.receive":
-                        await self.websocket_receive(message)
+                        try:
+                            await self.websocket_receive(message)
+                        except Exception:
+                            # Our bug, not the worker's: close only this worker, and
+                            # let the disconnect below clean up as for any other close.
+                            logger.exception(
+                                "handling a frame from worker %s failed", consumer_label(self)
+                            )
+                            self._close(1011, "internal error")
                     case "websocket.connect":
                         await self.websocket_connect(message)
                     case "websocket.disconnect":
@@ -174,7 +217,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         rt.relay.set_provider(provider_policy(provider, rt.config))
         await self.accept()
         rt.socket_opened()
-        self.link = ConsumerLink(self)
+        self.link = ConsumerLink(self, self._send_failed)
         self._register_timer = asyncio.get_running_loop().call_later(
             rt.config.register_timeout,
             self._violation,
@@ -245,27 +288,32 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             link=self.link,
             peer=self.peer,
             protocol_version=version,
+            features=msg.features,
         )
         self.worker = worker
         for warning in warnings:
             logger.warning("worker %s register: %s", worker.name, warning)
         self._audit = asyncio.get_running_loop().create_task(self._open_session(worker))
 
-    def _label(self) -> str:
-        return self.worker.name if self.worker else "(unregistered)"
-
     def _violation(self, reason: str) -> None:
         """Close only this worker with 1002; everyone else carries on."""
+        logger.warning("protocol error from worker %s: %s", consumer_label(self), reason)
+        self._close(1002, reason)
+
+    def _close(self, code: int, reason: str) -> None:
         self._register_timer = None
-        logger.warning(
-            "protocol error from worker %s peer=%s: %s", self._label(), self.peer, reason
-        )
         if self.worker is not None:
-            runtime.current().relay.close_worker(self.worker, 1002, reason)
+            runtime.current().relay.close_worker(self.worker, code, reason)
         elif self.link is not None:
-            self.link.close(1002, reason)
+            self.link.close(code, reason)
+
+    def _send_failed(self, reason: str) -> None:
+        if self.worker is not None:
+            runtime.current().relay.detach_worker(self.worker, reason)
 
     async def websocket_disconnect(self, message: dict[str, Any]) -> None:
+        """The socket is gone: detach the worker, close its audit row. Never raises
+        anything but :class:`StopConsumer`, whatever state the connection was left in."""
         if self._register_timer is not None:
             self._register_timer.cancel()
         link, worker = self.link, self.worker
@@ -274,17 +322,25 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             reason = link.closed_with[1]
         elif code in _TRANSPORT_FAILURES:
             reason = _TRANSPORT_FAILURES[code]
-            logger.warning("worker %s peer=%s closed: %s", self._label(), self.peer, reason)
+            logger.warning("worker %s closed: %s", consumer_label(self), reason)
         else:
             reason = f"connection closed by worker (code {code})"
-        if worker is not None:
-            runtime.current().relay.detach_worker(worker, reason)
-        if link is not None:
-            await link.aclose()
-            runtime.current().socket_closed()
+        try:
+            if worker is not None:
+                runtime.current().relay.detach_worker(worker, reason)
+            if link is not None:
+                await link.aclose()
+        except Exception:
+            logger.exception("detaching worker %s failed", consumer_label(self))
+        finally:
+            if link is not None:
+                runtime.current().socket_closed()
         if worker is not None:
             await self._close_session(worker, reason)
-        await aclose_old_connections()
+        try:
+            await aclose_old_connections()
+        except Exception:
+            logger.exception("closing database connections failed")
         raise StopConsumer()
 
     async def _open_session(self, worker: Worker) -> None:

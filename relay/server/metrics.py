@@ -58,6 +58,16 @@ class RelayCollector(Collector):
             "Worker frames dropped because their request was not in flight on that worker.",
             value=stats.dropped_frames,
         )
+        yield CounterMetricFamily(
+            "modelrelay_stream_pauses",
+            "Times a worker was asked to pause a stream for a client reading slower than it.",
+            value=stats.pauses,
+        )
+        yield GaugeMetricFamily(
+            "modelrelay_stream_buffered_bytes",
+            "Streamed bytes held for clients that have not read them yet.",
+            value=relay.buffered,
+        )
         yield GaugeMetricFamily(
             "modelrelay_requests_in_flight",
             "Requests admitted and not yet finished.",

@@ -23,7 +23,7 @@ from relay.wire.errors import (
     WorkerFailed,
     WorkerLost,
 )
-from tests.corekit import FAST, attach, complete, make_relay, submit
+from tests.corekit import FAST, RecordingLink, attach, complete, make_relay, submit
 
 
 async def terminal(request: RelayRequest, timeout: float = 2.0) -> object:
@@ -58,17 +58,35 @@ async def test_it_round_robins_between_equally_loaded_workers():
     assert [len(link.requests) for link in links] == [1, 1, 1]
 
 
-async def test_capacity_counts_the_higher_of_reported_load_and_in_flight():
+async def test_a_completion_frees_its_slot_at_once_whatever_the_last_pong_said():
     relay = make_relay()
-    worker, link = attach(relay, max_concurrent=2, load=1)
+    worker, link = attach(relay, max_concurrent=1)
+    first = submit(relay)
+    relay.on_pong(worker, 1)  # the worker counts the request it runs: nothing extra
+    second = submit(relay)
+    assert second.phase is Phase.QUEUED
+    complete(relay, worker, first.id)
+    assert second.phase is Phase.ASSIGNED  # no pong needed to see the free slot
+    assert [r.request_id for r in link.requests] == [first.id, second.id]
+
+
+async def test_a_pong_adds_only_load_the_server_does_not_know_about():
+    relay = make_relay()
+    worker, link = attach(relay, max_concurrent=2, load=1)  # one request of its own
     first = submit(relay)
     assert first.phase is Phase.ASSIGNED
-    second = submit(relay)  # reported 1, in flight 1 -> load 1 < 2
-    assert second.phase is Phase.ASSIGNED
-    third = submit(relay)
-    assert third.phase is Phase.QUEUED
-    relay.on_pong(worker, 5)
+    assert worker.load == 2
+    second = submit(relay)
+    assert second.phase is Phase.QUEUED
+    relay.on_pong(worker, 1)  # its own request finished: only ours is left
+    assert second.phase is Phase.ASSIGNED  # the freed slot is used at once
+    assert worker.load == 2
+    relay.on_pong(worker, 5)  # three more the server no longer tracks (cancelled ones)
     assert worker.load == 5
+    complete(relay, worker, first.id)
+    assert worker.load == 4
+    relay.on_pong(worker, 1)  # they stopped: only the second request is left
+    assert worker.load == 1
     assert len(link.requests) == 2
 
 
@@ -242,6 +260,16 @@ async def test_cancel_in_flight_sends_one_cancel_and_frees_the_slot_at_once():
     assert relay.stats.cancels["client_disconnect"] == 1
 
 
+async def test_only_cancels_that_reach_a_worker_are_counted_as_sent():
+    relay = make_relay()
+    attach(relay)
+    submit(relay)
+    queued = submit(relay)
+    relay.cancel(queued)  # removed from the queue: no worker ever hears of it
+    assert relay.stats.cancels == {}
+    assert relay.stats.by_outcome["cancelled"] == 1
+
+
 async def test_late_frames_for_a_cancelled_request_are_dropped():
     relay = make_relay()
     worker, _ = attach(relay)
@@ -400,8 +428,29 @@ async def test_stream_ceiling_ends_the_stream_and_cancels_the_worker():
     events = await request.next_events()
     assert events[0] == b"123456"
     assert isinstance(events[1], StreamTooLarge)
-    assert link.cancels[0].request_id == request.id
+    # A worker of the reference protocol gets the nearest reason it knows.
+    assert link.cancels == [protocol.Cancel(request_id=request.id, reason="client_disconnect")]
     assert worker.load == 0
+
+
+async def test_workers_that_announce_features_hear_what_really_ended_a_stream():
+    relay = make_relay(dataclasses.replace(FAST, max_stream_bytes=10))
+    link = RecordingLink()
+    worker, _ = relay.attach_worker(
+        provider="local",
+        name="new",
+        models=["m"],
+        max_concurrent=1,
+        current_load=0,
+        link=link,
+        features=[protocol.FLOW_CONTROL, "something-from-the-future"],
+    )
+    assert worker.features == {protocol.FLOW_CONTROL}
+    assert link.of_type(protocol.RegisterAck)[0].features == [protocol.FLOW_CONTROL]
+    request = submit(relay, stream=True)
+    relay.on_chunk(worker, request.id, "x" * 11)
+    assert link.cancels == [protocol.Cancel(request_id=request.id, reason="stream_limit")]
+    assert relay.stats.cancels == {"stream_limit": 1}
 
 
 async def test_chunks_arrive_in_order_and_then_the_completion():
@@ -570,3 +619,35 @@ async def test_load_returns_to_zero_after_every_ending():
     await terminal(d)  # request timeout
     assert worker.load == 0 and not worker.in_flight
     assert relay.active == 0
+
+
+async def test_churn_of_names_and_ids_from_outside_leaves_nothing_behind():
+    """Everything keyed by a worker id or a model name a worker chose is dropped when it
+    leaves, or remembered for MODEL_MEMORY_SECS within a bound (SPEC §6)."""
+    relay = make_relay(dataclasses.replace(FAST, model_memory=0.0))
+    registry = relay.registry
+    baseline = (len(registry.workers), len(registry._by_model), registry.remembered())
+    for i in range(10_000):
+        worker, _ = attach(relay, [f"model-{i}", f"other-{i}"], name=f"box-{i}")
+        relay.on_models_update(worker, [f"renamed-{i}"], 0)
+        if i % 10 == 0:  # a thousand of them serve a request under a name of their own
+            request = submit(relay, f"renamed-{i}", stream=True)
+            complete(relay, worker, request.id)
+        relay.close_worker(worker, 1000, "gone")
+    registry.forget_expired(relay.loop.time() + 1)
+    assert (len(registry.workers), len(registry._by_model), registry.remembered()) == baseline
+    assert len(registry._cursor) <= len(relay.providers)
+    assert relay._drain_timers == {}
+    # Counters keep what they counted, under a bounded number of labels.
+    assert len(relay.stats._models) <= 500
+    assert relay.stats.by_outcome["ok"] == 1000
+    assert len(relay.stats.by_endpoint_model_outcome) == 501  # 500 names, then "(other)"
+
+
+async def test_model_memory_stays_bounded_however_fast_names_churn():
+    relay = make_relay(dataclasses.replace(FAST, model_memory=3600.0))
+    for i in range(12_000):
+        worker, _ = attach(relay, [f"model-{i}"], name=f"box-{i}")
+        relay.close_worker(worker, 1000, "gone")
+    assert relay.registry.remembered() <= 10_000
+    assert relay.registry.remembers("local", "model-11999", relay.loop.time())

@@ -8,7 +8,7 @@ from tests.corekit import RecordingLink
 
 
 def make_worker(name: str, models: list[str], *, load: int = 0, cap: int = 1) -> Worker:
-    return Worker(
+    worker = Worker(
         id=name,
         provider="p",
         name=name,
@@ -17,8 +17,9 @@ def make_worker(name: str, models: list[str], *, load: int = 0, cap: int = 1) ->
         link=RecordingLink(),
         connected_at=0.0,
         last_pong=0.0,
-        reported_load=load,
     )
+    worker.report_load(load)
+    return worker
 
 
 def test_sanitize_trims_drops_dedupes_and_caps_in_first_seen_order():
@@ -68,7 +69,24 @@ def test_model_memory_remembers_then_forgets():
     assert not registry.serving("p", "m")
     assert registry.remembers("p", "m", now=105.0)
     assert not registry.remembers("p", "m", now=111.0)
+    registry.forget_expired(111.0)
+    assert registry.remembered() == 0
     assert not registry.remembers("p", "m", now=105.0)  # forgotten for good
+
+
+def test_model_memory_is_bounded_and_expires_oldest_first():
+    registry = Registry(model_memory=10, max_remembered=3)
+    for i in range(6):
+        worker = make_worker(f"w{i}", [f"m{i}"])
+        registry.add(worker)
+        registry.remove(worker, now=float(i))
+    assert registry.remembered() == 3
+    assert [registry.remembers("p", f"m{i}", now=6.0) for i in range(6)] == [False] * 3 + [True] * 3
+    worker = make_worker("again", ["m5"])
+    registry.add(worker)  # served again: nothing to remember for it
+    assert registry.remembered() == 2
+    registry.forget_expired(100.0)
+    assert registry.remembered() == 0
 
 
 def test_models_update_reindexes():

@@ -210,14 +210,15 @@ async def test_the_server_pings_and_closes_a_worker_that_stops_ponging(provider,
 
 
 async def test_pongs_keep_a_worker_and_update_its_load(provider, settings):
-    settings.HEARTBEAT_INTERVAL_SECS = 0.02
-    settings.HEARTBEAT_TIMEOUT_SECS = 0.1
+    settings.HEARTBEAT_INTERVAL_SECS = 0.05
+    settings.HEARTBEAT_TIMEOUT_SECS = 0.4  # loose enough for a loaded machine
     async with FakeWorker() as worker:
         ack = await worker.register(max_concurrent=4)
-        for load in (1, 2, 3, 3, 3, 3, 3, 3):  # well past the timeout, ponging each ping
+        for load in (1, 2) + (3,) * 14:  # 16 pings: twice the timeout, ponging each one
             await worker.expect(protocol.Ping)
             await worker.send(protocol.Pong(current_load=load))
         await until(lambda: live_worker(ack.worker_id).reported_load == 3)
+        assert live_worker(ack.worker_id).load == 3  # nothing in flight: all its own
         assert worker.closed is None
 
 
