@@ -64,11 +64,15 @@ class _DatabaseThread:
             connections.close_all()  # start the next attempt from a fresh connection
             raise
 
-    def close(self) -> None:
+    async def aclose(self) -> None:
+        """Close the thread's connection after the writes already queued, then let the
+        thread go; the event loop never blocks on it."""
         from django.db import connections
 
-        self._executor.submit(connections.close_all)
-        self._executor.shutdown(wait=True)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, connections.close_all)
+        finally:
+            self._executor.shutdown(wait=False)
 
 
 class Bookkeeper:
@@ -103,7 +107,7 @@ class Bookkeeper:
                 await asyncio.sleep(self.flush_interval)
                 await self.flush()
         finally:
-            self._db.close()
+            await self._db.aclose()
 
     async def flush(self) -> None:
         await self._flush_requests()
