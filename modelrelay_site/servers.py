@@ -108,6 +108,10 @@ class UvicornServing(Serving):
     def run(self) -> None:
         import uvicorn
 
+        from modelrelay_site import uvicorn_compat
+
+        uvicorn_compat.install()
+
         class Server(uvicorn.Server):
             @contextlib.contextmanager
             def capture_signals(self) -> Iterator[None]:

@@ -173,6 +173,12 @@ MAX_MODEL_NAME_LEN = env_int("MAX_MODEL_NAME_LEN", 256, minimum=1)
 MAX_MESSAGE_BYTES = env_int("MAX_MESSAGE_BYTES", 64 * MIB, minimum=1024)
 MAX_STREAM_BYTES = env_int("MAX_STREAM_BYTES", 256 * MIB, minimum=1)
 MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 32 * MIB, minimum=1024)
+# What the relay holds for streaming clients that read slower than their workers write
+# (per request and in total) before it pauses the stream at its source or ends it, and
+# how long a client may read nothing at all before it is cut off (SPEC §6, slow readers).
+STREAM_BUFFER_BYTES = env_int("STREAM_BUFFER_BYTES", 4 * MIB, minimum=1024)
+STREAM_BUFFER_TOTAL_BYTES = env_int("STREAM_BUFFER_TOTAL_BYTES", 256 * MIB, minimum=1024)
+STALL_TIMEOUT_SECS = env_float("STALL_TIMEOUT_SECS", 60.0)
 MODEL_MEMORY_SECS = env_float("MODEL_MEMORY_SECS", 600.0, positive=False)
 DRAIN_TIMEOUT_SECS = env_float("DRAIN_TIMEOUT_SECS", 300.0)
 SHUTDOWN_GRACE_SECS = env_float("SHUTDOWN_GRACE_SECS", 30.0, positive=False)

@@ -7,12 +7,19 @@ path falls through to Django (admin, JSON API, pages).
 A request's response loop waits on its :class:`~relay.core.state.RelayRequest`
 mailbox while a watcher task turns ``http.disconnect`` into a cancel of that same
 request object: client disconnects, timeouts and worker loss all end in one place.
+
+A streamed part is reported to the core as delivered once ``send`` returns, which
+both servers hold back while the client's connection is full (uvicorn natively,
+daphne through :mod:`modelrelay_site.daphne_compat`): what the core counts as pending
+is what the relay buffers for that client, and a ``send`` blocked for
+STALL_TIMEOUT_SECS cuts the client off.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,6 +34,7 @@ from relay.server.metrics import CONTENT_TYPE
 from relay.wire.errors import (
     BadRequest,
     Flavor,
+    HeadersTooLarge,
     MethodNotAllowed,
     ModelNotFound,
     PayloadTooLarge,
@@ -48,7 +56,14 @@ INFERENCE_ROUTES: dict[str, Flavor] = {
     "/v1/messages": "anthropic",
 }
 
+#: Limits on a request's headers (daphne's Twisted parser enforces the same ones, see
+#: modelrelay_site.daphne_compat): beyond either the answer is 431.
+MAX_HEADER_COUNT = 100
+MAX_HEADER_BYTES = 16 * 1024
+
 _JSON = msgspec.json.Encoder()
+
+logger = logging.getLogger("relay.http")
 
 
 class _Head(msgspec.Struct):
@@ -73,6 +88,8 @@ def parse_head(body: bytes) -> tuple[str, bool]:
         raise BadRequest("Request body must be a JSON object") from None
     except msgspec.DecodeError:
         raise BadRequest("Request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("Request body is nested too deeply") from None
     if head.model is msgspec.UNSET or head.model is None:
         raise BadRequest("'model' is required")
     if not isinstance(head.model, str):
@@ -130,16 +147,32 @@ class RelayHttpApp:
             return
         path: str = scope["path"]
         flavor = INFERENCE_ROUTES.get(path)
-        if flavor is not None:
-            await self._inference(scope, receive, send, flavor)
-        elif path == "/health":
-            await self._health(scope, send)
-        elif path == "/v1/models" or path.startswith("/v1/models/"):
-            await self._models(scope, send, path)
-        elif path == "/metrics":
-            await self._metrics(scope, send)
-        else:
-            await self.fallback(scope, receive, send)
+        headers = scope["headers"]
+        if len(headers) > MAX_HEADER_COUNT or (
+            sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES
+        ):
+            await _send_error(send, HeadersTooLarge(), flavor or "openai")
+            return
+        try:
+            if flavor is not None:
+                await self._inference(scope, receive, send, flavor)
+            elif path == "/health":
+                await self._health(scope, send)
+            elif path == "/v1/models" or path.startswith("/v1/models/"):
+                await self._models(scope, send, path)
+            elif path == "/metrics":
+                await self._metrics(scope, send)
+            else:
+                await self.fallback(scope, receive, send)
+                return
+        except Exception:
+            # A bug, not the client's doing: log it once and answer in the envelope
+            # rather than let the server write its own HTML error page.
+            logger.exception("unexpected error serving %s %s", scope.get("method"), path)
+            try:
+                await _send_error(send, RelayError(), flavor or "openai")
+            except Exception:
+                pass  # the response had already started: the server ends it
 
     # -- inference -------------------------------------------------------------
 
@@ -278,14 +311,19 @@ async def respond(
     watcher = asyncio.ensure_future(_watch_disconnect(relay, request, receive))
     try:
         if request.is_streaming:
-            await _stream(request, send, extra_headers)
+            await _stream(relay, request, send, extra_headers)
         else:
             await _unary(request, send, extra_headers)
     finally:
-        watcher.cancel()
         # No-op when the request already ended; otherwise the edge is going away
         # (cancelled by the server, or a send failed): free the slot now.
         relay.cancel(request, "client_disconnect")
+        relay.release(request)
+        watcher.cancel()
+        try:
+            await watcher
+        except asyncio.CancelledError:
+            pass
 
 
 async def _watch_disconnect(relay: Relay, request: RelayRequest, receive: Receive) -> None:
@@ -309,8 +347,65 @@ async def _unary(request: RelayRequest, send: Send, extra: list[tuple[bytes, byt
                 return
 
 
-async def _stream(request: RelayRequest, send: Send, extra: list[tuple[bytes, bytes]]) -> None:
+async def _stream(
+    relay: Relay, request: RelayRequest, send: Send, extra: list[tuple[bytes, bytes]]
+) -> None:
+    watchdog = _StallWatch(relay.config.stall_timeout)
+    try:
+        await _relay_stream(relay, request, send, extra, watchdog)
+    except asyncio.CancelledError:
+        if not watchdog.fired:
+            raise
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        logger.warning(
+            "client of %s read nothing for %gs; cutting it off", request.id, watchdog.limit
+        )
+        relay.stalled(request)  # the cancelled send aborted the client's connection
+    finally:
+        watchdog.close()
+
+
+class _StallWatch:
+    """Cancels the streaming task when one ``send`` stays blocked for ``limit`` seconds.
+
+    One timer per stream rather than one per chunk: a send only notes when it started
+    waiting, and the timer checks that mark.
+    """
+
+    __slots__ = ("_handle", "_task", "blocked_since", "fired", "limit", "loop")
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.blocked_since: float | None = None
+        self.fired = False
+        self.loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._handle = self.loop.call_later(limit, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        since = self.blocked_since
+        if since is not None and now - since >= self.limit:
+            self.fired = True
+            if self._task is not None:
+                self._task.cancel()
+            return
+        delay = self.limit if since is None else self.limit - (now - since)
+        self._handle = self.loop.call_later(delay, self._check)
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
+async def _relay_stream(
+    relay: Relay,
+    request: RelayRequest,
+    send: Send,
+    extra: list[tuple[bytes, bytes]],
+    watchdog: _StallWatch,
+) -> None:
     started = False
+    loop = watchdog.loop
     while True:
         events = await request.next_events()
         chunks: list[bytes] = []
@@ -331,7 +426,10 @@ async def _stream(request: RelayRequest, send: Send, extra: list[tuple[bytes, by
                     }
                 )
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            watchdog.blocked_since = loop.time()
             await send({"type": "http.response.body", "body": body, "more_body": True})
+            watchdog.blocked_since = None
+            relay.delivered(request, len(body))
         if terminal is None:
             continue
         if terminal is CANCELLED:

@@ -10,7 +10,8 @@ Hierarchy::
     │   ├── MethodNotAllowed        (405)
     │   ├── PayloadTooLarge         (413)
     │   ├── UnsupportedMediaType    (415)
-    │   └── QueueFull               (429)
+    │   ├── QueueFull               (429)
+    │   └── HeadersTooLarge         (431)
     ├── WorkerFailed                (502)
     ├── ServiceUnavailable          (503)
     │   ├── ProviderDisabled
@@ -111,6 +112,12 @@ class QueueFull(ClientError):
     default_message = "Service temporarily at capacity, please retry"
     retry_after = 1
     outcome = "queue_full"
+
+
+class HeadersTooLarge(ClientError):
+    status = 431
+    code = "request_header_fields_too_large"
+    default_message = "Request headers are too large"
 
 
 class WorkerFailed(RelayError):
