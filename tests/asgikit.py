@@ -187,7 +187,7 @@ class HttpCall:
             body = json.dumps(body)
         self.body = body.encode() if isinstance(body, str) else body
         hdrs = list(headers or [])
-        if content_type is not None and self.body:
+        if content_type is not None and (self.body or method == "POST"):
             hdrs.append((b"content-type", content_type))
         path_only, _, query = path.partition("?")
         scope = {
@@ -206,6 +206,7 @@ class HttpCall:
         self.comm = ApplicationCommunicator(application or app(), scope)
         self.status: int | None = None
         self.headers: dict[str, str] = {}
+        self.raw_headers: list[tuple[str, str]] = []
 
     async def send(self, *, split: int | None = None) -> HttpCall:
         if split:
@@ -222,7 +223,8 @@ class HttpCall:
         message = await self.comm.receive_output(timeout)
         assert message["type"] == "http.response.start", message
         self.status = message["status"]
-        self.headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
+        self.raw_headers = [(k.decode(), v.decode()) for k, v in message.get("headers", [])]
+        self.headers = dict(self.raw_headers)
         return self.status
 
     async def chunk(self, timeout: float = 3.0) -> tuple[bytes, bool]:

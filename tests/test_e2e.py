@@ -30,6 +30,8 @@ from tests.upstream import ThreadedUpstream, expected_text, unused_port, upstrea
 pytestmark = pytest.mark.live
 
 MODEL = "mock-model"
+#: What every client library sends with a JSON body (the relay requires it).
+JSON = {"content-type": "application/json"}
 CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
 FAST = [
     "--backoff-min-secs",
@@ -173,7 +175,7 @@ class Stack:
 def serving(server: LiveServer, upstream: ThreadedUpstream) -> Iterator[Stack]:
     with (
         running_worker(server, upstream.url) as worker,
-        httpx.Client(base_url=server.url, timeout=15) as client,
+        httpx.Client(base_url=server.url, timeout=15, headers=JSON) as client,
     ):
         poll(lambda: routable(server), what="the worker to register")
         yield Stack(server, upstream, worker, client)
@@ -285,7 +287,7 @@ def test_the_worker_reregisters_after_the_server_restarts(stack: Stack) -> None:
     stack.server.start()
     poll(lambda: workers_connected(stack.server) == 1, what="the worker to re-register")
     poll(lambda: routable(stack.server), what="the model to be routable again")
-    response = httpx.post(stack.server.url + CHAT, content=body_for(CHAT), timeout=10)
+    response = httpx.post(stack.server.url + CHAT, content=body_for(CHAT), headers=JSON, timeout=10)
     assert response.status_code == 200
     assert stack.worker.log.count("registered as worker") == 2
 
@@ -297,7 +299,7 @@ def test_an_operator_drain_lets_the_request_finish_and_the_worker_exits_0(
     with (
         relay_server_factory(MODELRELAY_ADMIN_TOKEN="admin-token") as server,
         running_worker(server, upstream.url) as worker,
-        httpx.Client(base_url=server.url, timeout=15) as client,
+        httpx.Client(base_url=server.url, timeout=15, headers=JSON) as client,
     ):
         poll(lambda: routable(server), what="the worker to register")
         (listed,) = client.get("/admin/workers", headers=admin).json()
@@ -319,11 +321,14 @@ def test_a_dead_backend_is_a_clean_502_and_the_worker_stays(relay_server: LiveSe
     flags = ("--models", MODEL, "--max-concurrent", "2")
     with running_worker(relay_server, backend, *flags) as worker:
         poll(lambda: routable(relay_server), what="the worker to register")
-        chat = httpx.post(relay_server.url + CHAT, content=body_for(CHAT), timeout=10)
+        chat = httpx.post(relay_server.url + CHAT, content=body_for(CHAT), headers=JSON, timeout=10)
         assert chat.status_code == 502
         assert chat.json()["error"]["type"] == "server_error"
         messages = httpx.post(
-            relay_server.url + MESSAGES, content=body_for(MESSAGES, stream=True), timeout=10
+            relay_server.url + MESSAGES,
+            content=body_for(MESSAGES, stream=True),
+            headers=JSON,
+            timeout=10,
         )
         assert messages.status_code == 502
         assert messages.json()["type"] == "error"
@@ -403,7 +408,12 @@ def test_the_sdks_raise_rate_limit_errors_when_the_busy_worker_cannot_queue(
         held: list[httpx.Response] = []
         blocker = threading.Thread(
             target=lambda: held.append(
-                httpx.post(server.url + CHAT, content=body_for(CHAT, stepped=True), timeout=30)
+                httpx.post(
+                    server.url + CHAT,
+                    content=body_for(CHAT, stepped=True),
+                    headers=JSON,
+                    timeout=30,
+                )
             )
         )
         blocker.start()

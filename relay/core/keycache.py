@@ -14,6 +14,9 @@ from relay.core.credentials import PREFIX_LEN, verify_secret
 from relay.core.stats import RequestRecord
 from relay.wire.errors import Flavor, Unauthorized
 
+#: How every relay API key begins (``mrk_…``); such a value is never forwarded.
+KEY_KIND = "mrk_"
+
 
 @dataclass(frozen=True, slots=True)
 class KnownKey:
@@ -55,21 +58,34 @@ class KeyCache:
         self, headers: list[tuple[bytes, bytes]], flavor: Flavor
     ) -> tuple[int, frozenset[str]]:
         """Find and check the client's key in ``Authorization: Bearer`` (or ``x-api-key``
-        on the Anthropic route). Returns the key id and the header that carried it."""
+        on the Anthropic route).
+
+        Returns the key id and every header that carries a relay key (one that
+        verifies, or that merely looks like one): none of them may reach a backend,
+        whichever of them authenticated the request.
+        """
         bearer: str | None = None
         api_key: str | None = None
+        carriers: set[str] = set()
         for name, value in headers:
+            token = ""
             if name == b"authorization":
                 scheme, _, rest = value.decode("latin-1").partition(" ")
                 if scheme.lower() == "bearer":
-                    bearer = rest.strip()
-            elif name == b"x-api-key" and flavor == "anthropic":
-                api_key = value.decode("latin-1").strip()
-        for token, header in ((bearer, "authorization"), (api_key, "x-api-key")):
-            if token:
-                key_id = self.verify(token)
+                    token = bearer = rest.strip()
+            elif name == b"x-api-key":
+                token = value.decode("latin-1").strip()
+                if flavor == "anthropic":
+                    api_key = token
+            else:
+                continue
+            if token.startswith(KEY_KIND) or (token and self.verify(token) is not None):
+                carriers.add(name.decode())
+        for given in (bearer, api_key):
+            if given:
+                key_id = self.verify(given)
                 if key_id is not None:
-                    return key_id, frozenset({header})
+                    return key_id, frozenset(carriers)
         if bearer or api_key:
             raise Unauthorized("Invalid or revoked API key")
         raise Unauthorized("Missing API key: send Authorization: Bearer <key>")

@@ -61,9 +61,57 @@ INFERENCE_ROUTES: dict[str, Flavor] = {
 MAX_HEADER_COUNT = 100
 MAX_HEADER_BYTES = 16 * 1024
 
+#: Sent with every response of the fast path.
+SECURITY_HEADERS: list[tuple[bytes, bytes]] = [(b"x-content-type-options", b"nosniff")]
+#: Statuses that never carry a body (RFC 9110 §6.4.1).
+BODYLESS = frozenset({204, 304})
+
 _JSON = msgspec.json.Encoder()
 
 logger = logging.getLogger("relay.http")
+
+
+class _Hosts:
+    """``ALLOWED_HOSTS`` as Django applies it, with the verdicts remembered (bounded)."""
+
+    def __init__(self) -> None:
+        from django.conf import settings
+        from django.http.request import split_domain_port, validate_host
+
+        self._allowed = list(settings.ALLOWED_HOSTS)
+        self._split = split_domain_port
+        self._validate = validate_host
+        self._seen: dict[bytes, bool] = {}
+
+    def allowed(self, host: bytes) -> bool:
+        verdict = self._seen.get(host)
+        if verdict is None:
+            domain, _ = self._split(host.decode("latin-1"))
+            verdict = bool(domain) and self._validate(domain, self._allowed)
+            if len(self._seen) < 1024:
+                self._seen[host] = verdict
+        return verdict
+
+
+_hosts: _Hosts | None = None
+
+
+def host_allowed(scope: Scope) -> bool:
+    """The request's ``Host`` (or the server's name without one) is in ALLOWED_HOSTS."""
+    global _hosts
+    if _hosts is None:
+        _hosts = _Hosts()
+    host = _header(scope, b"host")
+    if host is None:
+        server = scope.get("server") or ("", None)
+        host = str(server[0]).encode()
+    return _hosts.allowed(host)
+
+
+def reset_hosts() -> None:
+    """Forget the ALLOWED_HOSTS verdicts (tests that change the setting)."""
+    global _hosts
+    _hosts = None
 
 
 class _Head(msgspec.Struct):
@@ -121,6 +169,43 @@ async def read_body(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def before_body(
+    rt: runtime.Runtime,
+    method: str,
+    path: str,
+    flavor: Flavor,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    check_key: bool = True,
+) -> tuple[int | None, frozenset[str]]:
+    """Everything an inference request is refused for before its body is read: the
+    method, the API key, the content type, a declared length over the limit.
+
+    Returns the key id and the headers that carried relay credentials. Under daphne
+    :mod:`modelrelay_site.daphne_compat` calls it as soon as the headers are in, so
+    a refused body is never read at all (``check_key=False`` while the keys are not
+    loaded yet: the application checks again once they are).
+    """
+    if method != "POST":
+        raise MethodNotAllowed(f"Use POST for {path}")
+    key_id: int | None = None
+    relay_auth: frozenset[str] = frozenset()
+    if check_key:
+        key_id, relay_auth = rt.authenticate(headers, flavor)
+    content_type = declared = None
+    for name, value in headers:
+        if name == b"content-type":
+            content_type = value
+        elif name == b"content-length":
+            declared = value
+    if not _is_json(content_type):
+        raise UnsupportedMediaType()
+    limit = rt.config.max_request_bytes
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+    return key_id, relay_auth
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key == name:
@@ -130,7 +215,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 def _is_json(content_type: bytes | None) -> bool:
     if content_type is None:
-        return True
+        return False
     media = content_type.split(b";", 1)[0].strip().lower()
     return media in (b"", b"application/json") or media.endswith(b"+json")
 
@@ -154,6 +239,11 @@ class RelayHttpApp:
             await _send_error(send, HeadersTooLarge(), flavor or "openai")
             return
         try:
+            ours = flavor is not None or path in ("/health", "/metrics") or path == "/v1/models"
+            if (ours or path.startswith("/v1/models/")) and not host_allowed(scope):
+                # As Django answers for every other path (DNS rebinding, SPEC §5).
+                await _send_error(send, BadRequest("Invalid Host header"), flavor or "openai")
+                return
             if flavor is not None:
                 await self._inference(scope, receive, send, flavor)
             elif path == "/health":
@@ -187,21 +277,17 @@ class RelayHttpApp:
         path = scope["path"]
         await rt.ready()  # providers and keys loaded (instant after the first request)
         try:
-            if method != "POST":
-                raise MethodNotAllowed(f"Use POST for {path}")
-            key_id, relay_auth_headers = rt.authenticate(scope["headers"], flavor)
-            if not _is_json(_header(scope, b"content-type")):
-                raise UnsupportedMediaType()
-            limit = rt.config.max_request_bytes
-            declared = _header(scope, b"content-length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
-            raw = await read_body(receive, limit)
+            key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
+            raw = await read_body(receive, rt.config.max_request_bytes)
             try:
                 body = raw.decode()
             except UnicodeDecodeError:
                 raise BadRequest("Request body must be UTF-8 encoded JSON") from None
             model, stream = parse_head(raw)
+            if len(model) > rt.config.max_model_name_len:
+                raise BadRequest(
+                    f"'model' is longer than {rt.config.max_model_name_len} characters"
+                )
         except ClientGone:
             return
         except RelayError as err:
@@ -422,7 +508,7 @@ async def _relay_stream(
                     {
                         "type": "http.response.start",
                         "status": 200,
-                        "headers": STREAM_HEADERS + extra,
+                        "headers": STREAM_HEADERS + SECURITY_HEADERS + extra,
                     }
                 )
             body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -462,11 +548,19 @@ async def _send_completion(
     send: Send, completion: Completion, extra: list[tuple[bytes, bytes]]
 ) -> None:
     headers = response_headers(completion.headers)
-    headers.append((b"content-length", str(len(completion.body)).encode()))
+    body = completion.body
+    if completion.status in BODYLESS:
+        body = b""  # and no content-length: there is no body to frame
+    else:
+        headers.append((b"content-length", str(len(body)).encode()))
     await send(
-        {"type": "http.response.start", "status": completion.status, "headers": headers + extra}
+        {
+            "type": "http.response.start",
+            "status": completion.status,
+            "headers": headers + SECURITY_HEADERS + extra,
+        }
     )
-    await send({"type": "http.response.body", "body": completion.body})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _send_error(
@@ -474,7 +568,11 @@ async def _send_error(
 ) -> None:
     status, headers, body = error_response(err, flavor)
     await send(
-        {"type": "http.response.start", "status": status, "headers": headers + (extra or [])}
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": headers + SECURITY_HEADERS + (extra or []),
+        }
     )
     await send({"type": "http.response.body", "body": body})
 
@@ -495,5 +593,7 @@ async def _send_json(
 async def _send_simple(
     send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
 ) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send(
+        {"type": "http.response.start", "status": status, "headers": headers + SECURITY_HEADERS}
+    )
     await send({"type": "http.response.body", "body": body})

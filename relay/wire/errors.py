@@ -82,7 +82,9 @@ class ModelNotFound(ClientError):
     outcome = "model_not_found"
 
     def __init__(self, model: str) -> None:
-        super().__init__(f"model '{model}' is not served here")
+        # The name comes from the client: quoted back, but never at any length.
+        shown = model if len(model) <= 256 else model[:256] + "…"
+        super().__init__(f"model '{shown}' is not served here")
 
 
 class MethodNotAllowed(ClientError):

@@ -2,8 +2,8 @@
 
 Requests: only the allowlist a backend needs to answer as the client expects
 (credentials for the backend, content type, OpenAI org/project, Anthropic version
-and betas). Responses: everything the backend sent except hop-by-hop headers and
-the framing the relay recomputes itself.
+and betas). Responses: everything the backend sent except hop-by-hop headers, the
+framing the relay recomputes itself, and what the relay owns: cookies and CORS.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ DROPPED_RESPONSE_HEADERS = frozenset(
 )
 
 
+#: Response headers only the relay may set: a worker cannot plant cookies for the
+#: relay's origin or widen (or duplicate) its CORS policy.
+RELAY_OWNED_PREFIXES = ("set-cookie", "access-control-")
+
+
 def forwarded_request_headers(
     raw: Iterable[tuple[bytes, bytes]], *, exclude: frozenset[str] = frozenset()
 ) -> dict[str, str]:
@@ -69,6 +74,8 @@ def response_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
     for name, value in headers.items():
         lowered = name.lower()
         if lowered in DROPPED_RESPONSE_HEADERS or lowered in connection_tokens:
+            continue
+        if lowered.startswith(RELAY_OWNED_PREFIXES):
             continue
         if not _is_token(lowered) or any(c in value for c in "\r\n\0"):
             continue

@@ -1,0 +1,153 @@
+"""Attacks replayed against a live server (daphne, or uvicorn on the second pass) on raw
+sockets, where a client library would refuse to send them (SPEC §4, §5)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from relay.wire import protocol
+from tests.live import LiveServer
+from tests.rawworker import connect, expect, register
+
+pytestmark = pytest.mark.live
+
+
+async def exchange(server: LiveServer, raw: bytes, *, until: bytes | None = None) -> bytes:
+    """Send ``raw`` on a fresh connection; read until ``until`` is seen or the server closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(raw)
+    await writer.drain()
+    data = b""
+    async with asyncio.timeout(10):
+        while until is None or until not in data:
+            try:
+                chunk = await reader.read(65536)
+            except ConnectionResetError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    writer.close()
+    return data
+
+
+def post_head(path: str = "/v1/chat/completions", **headers: str) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+async def test_refused_requests_are_answered_before_their_body_is_read(relay_server_factory):
+    with relay_server_factory(
+        MODELRELAY_REQUIRE_API_KEYS="true", MAX_REQUEST_BYTES=str(64 * 1024)
+    ) as server:
+        async with await connect(server) as ws:
+            await register(ws)
+            # Once one request was answered, the server has loaded its keys.
+            ready = await exchange(server, post_head(Content_Length="0"), until=b"}}")
+            assert status_of(ready) == 401
+            # A 10 GB body is announced and never sent: every answer must come anyway.
+            huge = {"Content_Length": str(10 * 1024**3)}
+            for headers, status in (
+                ({}, 401),
+                ({"Authorization": "Bearer mrk_not-a-key"}, 401),
+                ({"Authorization": "Bearer mrk_not-a-key", "Content_Type": "text/plain"}, 401),
+            ):
+                response = await exchange(server, post_head(**huge, **headers), until=b"}}")
+                assert status_of(response) == status, response[:200]
+            # Chunked, no key: refused on the headers, long before the body ends.
+            response = await exchange(
+                server,
+                post_head(Transfer_Encoding="chunked") + b"10000\r\n" + b"a" * 65536 + b"\r\n",
+                until=b"}}",
+            )
+            assert status_of(response) == 401
+
+
+async def test_a_chunked_body_is_cut_off_at_the_limit(relay_server_factory):
+    with relay_server_factory(MAX_REQUEST_BYTES=str(64 * 1024)) as server:
+        chunk = b"8000\r\n" + b" " * 0x8000 + b"\r\n"
+        response = await exchange(
+            server,
+            post_head(Transfer_Encoding="chunked") + b"1\r\n{\r\n" + chunk * 2 + chunk,
+            until=b"}}",
+        )
+        assert status_of(response) == 413
+        big = {"Content_Length": str(10 * 1024**3)}
+        response = await exchange(server, post_head(**big), until=b"}}")
+        assert status_of(response) == 413
+
+
+async def test_a_worker_cannot_answer_two_responses_on_a_client_connection(relay_server_factory):
+    smuggled = "HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\npoisoned"
+    with relay_server_factory() as server:
+        async with await connect(server) as ws:
+            await register(ws, max_concurrent=2)
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            body = json.dumps({"model": "m"}).encode()
+            request = post_head(Content_Length=str(len(body))) + body
+            writer.write(request)
+            await writer.drain()
+            first = await expect(ws, protocol.Request)
+            await ws.send(
+                protocol.encode(
+                    protocol.ResponseComplete(
+                        request_id=first.request_id, status_code=100, body=smuggled
+                    )
+                )
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert status_of(head) == 502
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            writer.write(request)  # the next request on the same keep-alive connection
+            await writer.drain()
+            second = await expect(ws, protocol.Request)
+            await ws.send(
+                protocol.encode(
+                    protocol.ResponseComplete(
+                        request_id=second.request_id, status_code=200, body="genuine"
+                    )
+                )
+            )
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert status_of(head) == 200
+            assert await reader.readexactly(len("genuine")) == b"genuine"
+            writer.close()
+
+
+async def test_names_from_outside_cannot_forge_log_lines(relay_server_factory):
+    forged = "2026-01-01 00:00:00,000 ERROR   relay: FORGED"
+    with relay_server_factory() as server:
+        async with await connect(server) as ws:
+            await ws.send(
+                protocol.encode(
+                    protocol.Register(
+                        worker_name=f"box\n{forged}", models=["m"], protocol_version="1"
+                    )
+                )
+            )
+            await expect(ws, protocol.RegisterAck)
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(
+            b"GET /v1/worker/connect?provider=evil%0A"
+            + forged.replace(" ", "%20").encode()
+            + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+            b"X-Worker-Secret: wrong\r\n\r\n"
+        )
+        sock.recv(4096)
+        sock.close()
+        server.wait_for_log("worker auth failed")
+        server.wait_for_log("worker disconnected")
+    lines = server.log().splitlines()
+    assert not any(line.startswith(forged) for line in lines)
+    assert any("box\\n2026-01-01" in line for line in lines)
