@@ -19,22 +19,26 @@ from websockets.exceptions import ConnectionClosed
 
 from relay.wire.errors import ProtocolError, ServiceUnavailable, error_body
 from relay.wire.protocol import (
+    FEATURES,
+    FLOW_CONTROL,
     PROTOCOL_VERSION,
     Cancel,
     GracefulShutdown,
     ModelsRefresh,
     ModelsUpdate,
+    Pause,
     Ping,
     Pong,
     Register,
     RegisterAck,
     Request,
     ResponseComplete,
+    Resume,
     WorkerMessage,
     decode_server_message,
     encode,
 )
-from relay.worker.backend import Backend, flavor_of
+from relay.worker.backend import Backend, Valve, flavor_of
 from relay.worker.config import Config
 from relay.worker.usage import format_counts
 
@@ -77,9 +81,13 @@ class Session:
         self.worker = worker
         self.ws = ws
         self.requests: dict[str, asyncio.Task[None]] = {}
+        #: Flow control of each request in ``requests`` (``pause`` / ``resume``).
+        self.valves: dict[str, Valve] = {}
         self.children: set[asyncio.Task[Any]] = set()
         self.registered_at: float | None = None
         self.draining = False
+        #: The extensions the server accepted in ``register_ack``.
+        self.accepted: frozenset[str] = frozenset()
 
     @property
     def load(self) -> int:
@@ -113,6 +121,7 @@ class Session:
                     max_concurrent=worker.max_concurrent,
                     protocol_version=PROTOCOL_VERSION,
                     current_load=0,
+                    features=list(FEATURES),
                 )
             )
             while True:
@@ -138,6 +147,8 @@ class Session:
                 await self.on_request(message)
             case Cancel():
                 self.on_cancel(message)
+            case Pause() | Resume():
+                self.on_flow(message)
             case Ping():
                 pong = Pong(current_load=self.load, timestamp_unix_ms=message.timestamp_unix_ms)
                 await self.send(pong)
@@ -164,6 +175,8 @@ class Session:
         )
         for warning in ack.warnings:
             log.warning("proxy warning on register: %s", warning)
+        self.accepted = frozenset(ack.features) & frozenset(FEATURES)
+        log.debug("proxy accepted features: %s", ", ".join(sorted(self.accepted)) or "(none)")
         if self.worker.config.models is None and not self.draining:
             self.spawn(self._refresh_periodically(), name="model refresh")
 
@@ -184,12 +197,16 @@ class Session:
         if rid in self.requests:
             log.warning("ignoring a second request with id %s", rid)
             return
-        task = self.spawn(self.serve(request), name=f"request {rid}")
+        valve = Valve()
+        task = self.spawn(self.serve(request, valve), name=f"request {rid}")
         self.requests[rid] = task
+        self.valves[rid] = valve
 
         def forget(done: asyncio.Task[Any]) -> None:
             if self.requests.get(rid) is done:
                 del self.requests[rid]
+            if self.valves.get(rid) is valve:
+                del self.valves[rid]
 
         task.add_done_callback(forget)
 
@@ -199,8 +216,27 @@ class Session:
         if task is None:
             log.debug("cancel for %s: not in flight here", cancel.request_id)
             return
+        self.valves.pop(cancel.request_id, None)
+        # Any reason aborts: newer servers send reasons this worker does not know.
         log.info("cancelled request %s (%s)", cancel.request_id, cancel.reason)
         task.cancel()
+
+    def on_flow(self, message: Pause | Resume) -> None:
+        """``pause`` / ``resume``: stop or restart reading that one backend response."""
+        rid, pause = message.request_id, isinstance(message, Pause)
+        verb = "pause" if pause else "resume"
+        if FLOW_CONTROL not in self.accepted:
+            log.debug("%s for %s ignored: flow control was not agreed", verb, rid)
+            return
+        valve = self.valves.get(rid)
+        if valve is None:  # finished or cancelled meanwhile: nothing to hold back
+            log.debug("%s for %s ignored: not in flight here", verb, rid)
+            return
+        if pause:
+            valve.pause()
+        else:
+            valve.resume()
+        log.debug("%sd request %s", verb, rid)
 
     def drain(self, *, announce: bool) -> None:
         """Stop taking work; close the connection once in-flight requests finished."""
@@ -224,7 +260,7 @@ class Session:
             if not self.worker.draining:
                 await self.worker.refresh_models(self, always=False)
 
-    async def serve(self, request: Request) -> None:
+    async def serve(self, request: Request, valve: Valve) -> None:
         """Forward one request to the backend and report its outcome to the relay."""
         started = time.monotonic()
         log.info(
@@ -236,7 +272,7 @@ class Session:
         )
         backend = self.worker.backend
         try:
-            complete = await backend.exchange(request, self.send)
+            complete = await backend.exchange(request, self.send, valve)
             frame = encode(complete).encode()
             if len(frame) > self.worker.config.max_message_bytes:
                 complete = backend.failure(request, "the backend's response is too large to relay")
