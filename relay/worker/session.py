@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -44,6 +45,31 @@ from relay.worker.usage import format_counts
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
 log = logging.getLogger("modelrelay.worker")
+
+#: Server pings that may go missing in a row before a silent connection counts as dead.
+SILENT_PINGS = 3
+#: A silence limit derived from the server's ping period is never shorter than this:
+#: a short network hiccup must not cost a reconnect (and requeued requests).
+MIN_SILENCE_SECS = 5.0
+#: Nor longer than this, whatever ping period a server announces.
+MAX_SILENCE_SECS = 24 * 3600.0
+#: Close code and reason a worker gives up a silent connection with.
+SILENCE_CLOSE = (1001, "no message from the server")
+
+
+def silence_limit(configured: float, ping_interval: float | None) -> float | None:
+    """Seconds without any frame from the server after which the worker reconnects.
+
+    Called when ``register_ack`` arrives. ``None`` (wait forever, as with servers that
+    predate the extension) when the ack announces no usable ping period; otherwise
+    ``configured`` (``--server-silence-secs``) when set, else :data:`SILENT_PINGS` ping
+    periods, bounded by :data:`MIN_SILENCE_SECS` and :data:`MAX_SILENCE_SECS`.
+    """
+    if ping_interval is None or not math.isfinite(ping_interval) or ping_interval <= 0:
+        return None
+    if configured > 0:
+        return configured
+    return min(max(SILENT_PINGS * ping_interval, MIN_SILENCE_SECS), MAX_SILENCE_SECS)
 
 
 class Owner(Protocol):
@@ -88,6 +114,9 @@ class Session:
         self.draining = False
         #: The extensions the server accepted in ``register_ack``.
         self.accepted: frozenset[str] = frozenset()
+        #: Event-loop time of the last frame received from the server.
+        self.last_heard = asyncio.get_running_loop().time()
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def load(self) -> int:
@@ -124,8 +153,11 @@ class Session:
                     features=list(FEATURES),
                 )
             )
+            loop = asyncio.get_running_loop()
             while True:
-                await self.on_frame(await self.ws.recv())
+                raw = await self.ws.recv()
+                self.last_heard = loop.time()
+                await self.on_frame(raw)
         except ConnectionClosed:
             pass
         finally:
@@ -177,6 +209,26 @@ class Session:
             log.warning("proxy warning on register: %s", warning)
         self.accepted = frozenset(ack.features) & frozenset(FEATURES)
         log.debug("proxy accepted features: %s", ", ".join(sorted(self.accepted)) or "(none)")
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        interval = ack.heartbeat_interval_secs
+        configured = self.worker.config.server_silence_secs
+        limit = silence_limit(configured, interval)
+        if limit is not None and interval is not None:
+            if 0 < configured <= interval:
+                log.warning(
+                    "SERVER_SILENCE_SECS (%gs) is not longer than the proxy's ping period "
+                    "(%gs): the connection will be dropped between two pings",
+                    configured,
+                    interval,
+                )
+            log.debug(
+                "the proxy pings every %gs; reconnecting after %gs of silence", interval, limit
+            )
+            self._watchdog = self.spawn(
+                self._watch_for_silence(limit, interval), name="silence watchdog"
+            )
         if self.worker.config.models is None and not self.draining:
             self.spawn(self._refresh_periodically(), name="model refresh")
 
@@ -253,6 +305,32 @@ class Session:
             await asyncio.wait(pending)
         log.info("graceful shutdown: no requests in flight; closing the connection")
         await self.ws.close(1000, "worker drained")
+
+    async def _watch_for_silence(self, limit: float, interval: float) -> None:
+        """Close the connection once the server sent nothing for ``limit`` seconds.
+
+        The server pings every ``interval``; when even those stop, its application is
+        gone although its WebSocket library may still answer WebSocket pings, so the
+        worker would otherwise wait forever. Closing ends :meth:`run`, which aborts the
+        requests in flight; the worker's loop then reconnects with backoff.
+        """
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self.last_heard
+        while quiet < limit:  # a timer pushed back by every frame, not a poll
+            await asyncio.sleep(limit - quiet)
+            quiet = loop.time() - self.last_heard
+        log.warning(
+            "no message from the proxy for %.1fs although it pings every %gs: the "
+            "connection looks dead; closing it to reconnect",
+            quiet,
+            interval,
+        )
+        try:
+            # A peer that stopped reading can block even the close frame: bounded.
+            async with asyncio.timeout(self.ws.close_timeout):
+                await self.ws.close(*SILENCE_CLOSE)
+        except TimeoutError:
+            self.ws.transport.abort()
 
     async def _refresh_periodically(self) -> None:
         while True:

@@ -50,6 +50,7 @@ from relay.wire.protocol import (
     encode,
 )
 from relay.worker.config import Config, parse_config
+from relay.worker.session import MAX_SILENCE_SECS, MIN_SILENCE_SECS, silence_limit
 from tests.upstream import FakeUpstream, Recorded, unused_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,16 +75,22 @@ M = TypeVar("M")
 class RelaySide:
     """The relay's end of one worker connection, scripted by a test.
 
-    Its ``register_ack`` accepts ``features`` (None: all the worker announced); the
-    relay never pings by itself.
+    Its ``register_ack`` accepts ``features`` (None: all the worker announced) and
+    announces ``heartbeat`` as the ping period (None: says nothing, like older relays);
+    the relay never pings by itself.
     """
 
     def __init__(
-        self, ws: ServerConnection, auto_ack: bool, features: list[str] | None = None
+        self,
+        ws: ServerConnection,
+        auto_ack: bool,
+        features: list[str] | None = None,
+        heartbeat: float | None = None,
     ) -> None:
         self.ws = ws
         self.auto_ack = auto_ack
         self.features = features
+        self.heartbeat = heartbeat
         self.received: list[WorkerMessage] = []
         self.register: Register | None = None
         self.registered = asyncio.Event()
@@ -102,6 +109,7 @@ class RelaySide:
                             worker_id="w-test",
                             models=message.models,
                             features=message.features if self.features is None else self.features,
+                            heartbeat_interval_secs=self.heartbeat,
                         )
                         await self.send(ack)
                     self.registered.set()
@@ -177,7 +185,7 @@ class RelaySide:
 class FakeRelay:
     """Accepts workers on ``127.0.0.1:0``; ``refuse`` closes each with that code after accept.
 
-    ``features`` shapes every ``register_ack`` (see :class:`RelaySide`).
+    ``features`` and ``heartbeat`` shape every ``register_ack`` (see :class:`RelaySide`).
     """
 
     def __init__(
@@ -187,9 +195,11 @@ class FakeRelay:
         refuse: tuple[int, str] | None = None,
         reject_status: int | None = None,
         features: list[str] | None = None,
+        heartbeat: float | None = None,
     ) -> None:
         self.auto_ack = auto_ack
         self.features = features
+        self.heartbeat = heartbeat
         self.refuse = refuse
         self.reject_status = reject_status
         self.sides: list[RelaySide] = []
@@ -227,7 +237,7 @@ class FakeRelay:
         return None
 
     async def _handle(self, ws: ServerConnection) -> None:
-        side = RelaySide(ws, self.auto_ack, self.features)
+        side = RelaySide(ws, self.auto_ack, self.features, self.heartbeat)
         self.sides.append(side)
         self._changed.set()
         try:
@@ -890,6 +900,64 @@ async def test_it_reconnects_after_the_connection_is_lost(
 async def side_request_in_flight(side: RelaySide, up: FakeUpstream) -> None:
     await side.request("r-orphan", CHAT, stream=True, mock={"stepped": True})
     await up.wait_requests(1, path=CHAT)
+
+
+def test_the_silence_limit_is_three_server_pings_within_bounds() -> None:
+    assert silence_limit(0, 15) == 45
+    assert silence_limit(0, 0.05) == MIN_SILENCE_SECS  # never a hair trigger by default
+    assert silence_limit(0, 1e300) == MAX_SILENCE_SECS
+    assert silence_limit(0.3, 0.05) == 0.3  # --server-silence-secs wins
+    assert silence_limit(120, 15) == 120
+    # No usable ping period announced (older servers): never.
+    for period in (None, 0.0, -1.0, float("nan"), float("inf")):
+        assert silence_limit(0, period) is None
+        assert silence_limit(0.3, period) is None
+
+
+async def test_it_reconnects_when_the_server_goes_silent(
+    upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="modelrelay.worker")
+    # This relay announces pings every 50 ms and then sends nothing at all, while its
+    # TCP connection stays open and its WebSocket library answers pings and closes.
+    async with (
+        FakeRelay(heartbeat=0.05) as relay,
+        running(config(relay.url, upstream.url, "--server-silence-secs", "0.3")),
+    ):
+        first = await relay.registered(0)
+        await side_request_in_flight(first, upstream)
+        second = await relay.registered(1)
+        assert second.register is not None and second.register.current_load == 0
+        assert first.closed.is_set() and first.ws.close_code == 1001
+        # The request in flight was aborted with the connection, as on any loss.
+        await asyncio.wait_for(upstream.requests_to(CHAT)[0].disconnected.wait(), 5)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no message from the proxy" in w and "pings every 0.05s" in w for w in warnings)
+
+
+async def test_server_pings_keep_a_quiet_connection_open(upstream: FakeUpstream) -> None:
+    async with (
+        FakeRelay(heartbeat=0.05) as relay,
+        running(config(relay.url, upstream.url, "--server-silence-secs", "0.8")),
+    ):
+        side = await relay.registered()
+        loop = asyncio.get_running_loop()
+        until, stamp = loop.time() + 1.2, 0  # longer than the silence limit
+        while loop.time() < until:
+            stamp += 1
+            await side.ping(stamp)
+            await asyncio.sleep(0.05)
+        assert len(relay.sides) == 1 and not side.closed.is_set()
+
+
+async def test_a_silent_server_that_announced_no_ping_period_is_not_dropped(
+    relay: FakeRelay, upstream: FakeUpstream
+) -> None:
+    async with running(config(relay.url, upstream.url, "--server-silence-secs", "0.05")):
+        side = await relay.registered()
+        await asyncio.sleep(0.3)  # six times the setting, which needs a period to apply
+        assert (await side.ping(1)).current_load == 0
+        assert len(relay.sides) == 1 and not side.closed.is_set()
 
 
 async def test_a_policy_close_is_logged_clearly_and_retried_slowly(
