@@ -18,12 +18,14 @@ from typing import Any, Protocol
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
-from relay.wire.errors import ProtocolError, ServiceUnavailable, error_body
+from relay.wire.errors import ProtocolError
 from relay.wire.protocol import (
     FEATURES,
     FLOW_CONTROL,
     PROTOCOL_VERSION,
+    WORKER_DRAINING,
     Cancel,
+    Error,
     GracefulShutdown,
     ModelsRefresh,
     ModelsUpdate,
@@ -33,13 +35,12 @@ from relay.wire.protocol import (
     Register,
     RegisterAck,
     Request,
-    ResponseComplete,
     Resume,
     WorkerMessage,
     decode_server_message,
     encode,
 )
-from relay.worker.backend import Backend, Valve, flavor_of
+from relay.worker.backend import Backend, Valve
 from relay.worker.config import Config
 from relay.worker.usage import format_counts
 
@@ -235,15 +236,12 @@ class Session:
     async def on_request(self, request: Request) -> None:
         rid = request.request_id
         if self.worker.draining:
+            # The server sent it before it learned of the drain (our empty models_update
+            # or its own graceful_shutdown); this code makes it requeue the request for
+            # another worker instead of failing the client.
             log.info("refusing request %s: the worker is shutting down", rid)
-            err = ServiceUnavailable("The worker is shutting down, please retry")
             await self.send(
-                ResponseComplete(
-                    request_id=rid,
-                    status_code=503,
-                    headers={"content-type": "application/json", "retry-after": "1"},
-                    body=error_body(err, flavor_of(request.endpoint_path)).decode(),
-                )
+                Error(request_id=rid, code=WORKER_DRAINING, message="worker is shutting down")
             )
             return
         if rid in self.requests:

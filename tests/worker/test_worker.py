@@ -30,7 +30,9 @@ from websockets.http11 import Response as HandshakeResponse
 import worker
 from relay.wire.protocol import (
     FLOW_CONTROL,
+    WORKER_DRAINING,
     Cancel,
+    Error,
     GracefulShutdown,
     ModelsRefresh,
     ModelsUpdate,
@@ -1012,15 +1014,22 @@ async def test_graceful_shutdown_finishes_in_flight_work_then_exits_0(
         await upstream.wait_requests(1, path=CHAT)
         await side.send(GracefulShutdown(reason="maintenance", drain_timeout_secs=30))
         await side.request("r-late", MESSAGES)
-        refused = await side.complete("r-late")
-        assert refused.status_code == 503
-        assert refused.body is not None and json.loads(refused.body)["type"] == "error"
+        assert await side.wait_for(Error) == draining_refusal("r-late")
         assert not side.closed.is_set()
         upstream.release(100)
         assert (await side.complete("r-1")).status_code == 200
         assert await asyncio.wait_for(task, 5) == 0
         assert side.closed.is_set()
     assert len(relay.sides) == 1  # it did not reconnect
+    assert upstream.requests_to(MESSAGES) == []
+    assert not any(
+        isinstance(m, ResponseComplete) and m.request_id == "r-late" for m in side.received
+    )
+
+
+def draining_refusal(rid: str) -> Error:
+    """The frame a shutting-down worker refuses ``rid`` with, so the relay requeues it."""
+    return Error(request_id=rid, code=WORKER_DRAINING, message="worker is shutting down")
 
 
 async def test_the_server_closing_a_drained_worker_counts_as_done(
@@ -1045,13 +1054,18 @@ async def test_sigterm_drains_in_flight_work_and_exits_0(
         proc.proc.send_signal(signal.SIGTERM)
         assert (await side.wait_for(ModelsUpdate)).models == []
         await side.request("r-late", CHAT)
-        assert (await side.complete("r-late")).status_code == 503
+        assert await side.wait_for(Error) == draining_refusal("r-late")
         upstream.release(100)
         complete = await side.complete("r-1")
         assert complete.status_code == 200
         assert await proc.wait() == 0
         assert "graceful shutdown" in proc.log
+        assert "refusing request r-late: the worker is shutting down" in proc.log
     assert len(relay.sides) == 1
+    assert len(upstream.requests_to(CHAT)) == 1
+    assert not any(
+        isinstance(m, ResponseComplete) and m.request_id == "r-late" for m in side.received
+    )
 
 
 async def test_a_second_sigterm_exits_at_once(relay: FakeRelay, upstream: FakeUpstream) -> None:
