@@ -28,11 +28,17 @@ Guarantees (SPEC §7):
   UTF-8 decoded incrementally so a character split across reads stays whole;
 - a failing backend request ends in a 502 in the endpoint's error envelope and
   never affects other requests or the connection;
+- it announces the ``flow_control`` extension: a ``pause`` from the relay stops the
+  reading of exactly that backend response until ``resume`` (TCP then slows the
+  backend); ``cancel`` aborts whatever its reason, paused or not;
 - connection loss and server restarts reconnect with exponential backoff and
   jitter; refusals (close 1008: bad secret, unknown or disabled provider) are
-  logged at ERROR and retried slowly;
+  logged at ERROR and retried slowly; a relay that announced its ping period and
+  then sends nothing for ``--server-silence-secs`` (default: three periods, at
+  least 5 s) counts as lost too;
 - SIGTERM/SIGINT drains: stop taking work, finish in-flight requests, exit 0;
-  a second signal exits at once with status 1.
+  a second signal exits at once with status 1. Requests that arrive meanwhile are
+  refused with a ``worker_draining`` error, which the relay requeues.
 """
 
 from __future__ import annotations

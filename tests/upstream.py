@@ -19,12 +19,14 @@ Behaviour is set by attributes (defaults for every request) or per request by a
 forced status and error body, delays before the first byte and per token,
 ``stepped`` (each write waits for :meth:`FakeUpstream.release`), a multi-byte
 UTF-8 character split across two writes, chunked or close-delimited framing, a
-stream broken off mid-way, or ``hang`` (answer nothing until the client leaves).
+stream broken off mid-way, ``hang`` (answer nothing until the client leaves), or
+``padding`` (a large SSE comment before every event: a big stream in few writes).
 
 Every request is recorded (:class:`Recorded`) with an :class:`asyncio.Event` for
 "the response was fully written" and one for "the client disconnected first", so
-tests wait on events, never on time. Clients must not pipeline requests (httpx,
-the SDKs and the worker never do).
+tests wait on events, never on time; ``bytes_written`` counts a stream's body bytes
+as they are written, so a test sees a client that stopped reading hold the stream
+up. Clients must not pipeline requests (httpx, the SDKs and the worker never do).
 
 Use ``async with FakeUpstream() as up: up.url`` inside a test's event loop, or
 ``with upstream_in_thread() as up:`` for synchronous tests (its own loop in a thread).
@@ -77,6 +79,8 @@ class Mock(msgspec.Struct, forbid_unknown_fields=True):
     stepped: bool = False
     break_after: int | None = None
     hang: bool = False
+    #: Bytes of an SSE comment (``: ---…``, ignored by SSE clients) before each event.
+    padding: int = 0
 
 
 class _Body(msgspec.Struct):
@@ -99,6 +103,10 @@ class Recorded:
     body: bytes
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Body bytes of a streamed response written so far (excluding chunked framing).
+    #: Writes wait for the socket to drain, so this stops growing while the client
+    #: reads nothing, once the socket buffers between them are full.
+    bytes_written: int = 0
 
     def json(self) -> Any:
         return msgspec.json.decode(self.body)
@@ -138,6 +146,7 @@ class FakeUpstream:
         tokens_per_sec: float | None = None,
         framing: Framing = "chunked",
         record: bool = True,
+        send_buffer: int | None = None,
     ) -> None:
         self.models = ["mock-model"] if models is None else models
         #: ``None``: ``GET /props`` answers 404 (vLLM, Ollama).
@@ -153,6 +162,10 @@ class FakeUpstream:
         self.token_delay = 1 / tokens_per_sec if tokens_per_sec else token_delay
         self.framing: Framing = framing
         self.record = record
+        #: SO_SNDBUF of every accepted socket (None: the kernel's self-tuning default,
+        #: which may buffer megabytes on loopback): bounds what a stalled client leaves
+        #: queued in this process's kernel.
+        self.send_buffer = send_buffer
         self.requests: list[Recorded] = []
         self.url = ""
         self._steps = asyncio.Semaphore(0)
@@ -214,6 +227,9 @@ class FakeUpstream:
         task = asyncio.current_task()
         assert task is not None
         self._connections[task] = writer
+        if self.send_buffer is not None:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer)
         try:
             while True:
                 try:
@@ -268,7 +284,7 @@ class FakeUpstream:
             rec.finished.set()
             return True
         # Slow answers race the client: EOF on the socket means it went away.
-        produce = asyncio.ensure_future(self._slow_answer(writer, rec.path, req, delay))
+        produce = asyncio.ensure_future(self._slow_answer(writer, rec.path, req, delay, rec))
         watch = asyncio.ensure_future(reader.read(1))
         try:
             await asyncio.wait({produce, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -323,7 +339,12 @@ class FakeUpstream:
         self._write_json(writer, mock.status or 200, _document(path, req.model, tokens, prompt))
 
     async def _slow_answer(
-        self, writer: asyncio.StreamWriter, path: str, req: _Body, delay: float
+        self,
+        writer: asyncio.StreamWriter,
+        path: str,
+        req: _Body,
+        delay: float,
+        rec: Recorded | None = None,
     ) -> bool:
         mock = req.mock
         if mock.hang:
@@ -354,6 +375,8 @@ class FakeUpstream:
             if mock.break_after is not None and index > mock.break_after:
                 writer.transport.abort()  # a broken stream: no terminating chunk
                 raise _ClientGone()
+            if mock.padding > 0:
+                event = b": " + b"-" * mock.padding + b"\n\n" + event
             pieces = [event]
             if mock.split_utf8 and _EURO in event:
                 cut = event.index(_EURO) + 1
@@ -366,6 +389,8 @@ class FakeUpstream:
                 writer.write(
                     b"%x\r\n%s\r\n" % (len(piece), piece) if framing == "chunked" else piece
                 )
+                if rec is not None:
+                    rec.bytes_written += len(piece)
                 await writer.drain()
             if token_delay > 0 and index < len(events) - 1:
                 await asyncio.sleep(token_delay)

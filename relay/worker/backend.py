@@ -8,6 +8,7 @@ through it. Imports nothing from Django.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -40,6 +41,35 @@ class BackendNotReady(Exception):
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class Valve:
+    """Whether one request's streamed backend response may be read now (``flow_control``).
+
+    Open when created. The session closes it on the relay's ``pause`` and opens it on
+    ``resume``; :meth:`Backend.exchange` waits for it before each read of a streamed
+    body, so while it is closed nothing more is read and the backend's writes back up
+    over TCP. Waiting on a closed valve is cancellable: ``cancel`` still aborts at once.
+    """
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open = asyncio.Event()
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
 
 
 def flavor_of(endpoint_path: str) -> Flavor:
@@ -149,13 +179,17 @@ class Backend:
     # -- one request -----------------------------------------------------------------
 
     async def exchange(
-        self, request: Request, send: Callable[[WorkerMessage], Awaitable[None]]
+        self,
+        request: Request,
+        send: Callable[[WorkerMessage], Awaitable[None]],
+        valve: Valve | None = None,
     ) -> ResponseComplete:
         """Forward ``request``; stream its chunks through ``send``; return the last frame.
 
-        A failing backend ends in a 502 (after an error event when part of the stream was
-        already sent); the relay connection closing (``ConnectionClosed`` from ``send``)
-        and cancellation propagate.
+        A streamed body is read only while ``valve`` is open: what was read is sent, then
+        the next read waits for the valve. A failing backend ends in a 502 (after an
+        error event when part of the stream was already sent); the relay connection
+        closing (``ConnectionClosed`` from ``send``) and cancellation propagate.
         """
         rid = request.request_id
         scanner = UsageScanner()
@@ -172,12 +206,17 @@ class Backend:
                 is_json = "json" in content_type.lower()
                 if request.is_streaming and resp.is_success and not is_json:
                     decoder = codecs.getincrementaldecoder("utf-8")("replace")
+                    if valve is not None and not valve.is_open:
+                        await valve.wait_open()
                     async for data in resp.aiter_bytes():
                         scanner.feed(data)
                         text = decoder.decode(data)
                         if text:  # sent at once: never wait for more bytes to coalesce
                             streamed = True
                             await send(ResponseChunk(request_id=rid, chunk=text))
+                        if valve is not None and not valve.is_open:
+                            # Paused: leave the rest in the socket, so TCP slows the backend.
+                            await valve.wait_open()
                     text = decoder.decode(b"", final=True)
                     if text:
                         await send(ResponseChunk(request_id=rid, chunk=text))

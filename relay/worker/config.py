@@ -37,6 +37,7 @@ class Config:
     backoff_max_secs: float
     fatal_retry_secs: float
     healthy_session_secs: float
+    server_silence_secs: float  # 0: derived from the relay's ping period (register_ack)
     backend_connect_timeout: float
     backend_read_timeout: float | None
     discovery_timeout: float
@@ -109,6 +110,7 @@ OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
     ("--backoff-max-secs", "WORKER_BACKOFF_MAX_SECS", "30", _seconds, None),
     ("--fatal-retry-secs", "WORKER_FATAL_RETRY_SECS", "60", _seconds, None),
     ("--healthy-session-secs", "WORKER_HEALTHY_SESSION_SECS", "10", _seconds, None),
+    ("--server-silence-secs", "SERVER_SILENCE_SECS", "0", _seconds, None),
     ("--backend-connect-timeout", "BACKEND_CONNECT_TIMEOUT_SECS", "10", _seconds, None),
     ("--backend-read-timeout", "BACKEND_READ_TIMEOUT_SECS", "600", _seconds, None),
     ("--discovery-timeout", "WORKER_DISCOVERY_TIMEOUT_SECS", "5", _seconds, None),

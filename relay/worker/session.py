@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -17,29 +18,59 @@ from typing import Any, Protocol
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
-from relay.wire.errors import ProtocolError, ServiceUnavailable, error_body
+from relay.wire.errors import ProtocolError
 from relay.wire.protocol import (
+    FEATURES,
+    FLOW_CONTROL,
     PROTOCOL_VERSION,
+    WORKER_DRAINING,
     Cancel,
+    Error,
     GracefulShutdown,
     ModelsRefresh,
     ModelsUpdate,
+    Pause,
     Ping,
     Pong,
     Register,
     RegisterAck,
     Request,
-    ResponseComplete,
+    Resume,
     WorkerMessage,
     decode_server_message,
     encode,
 )
-from relay.worker.backend import Backend, flavor_of
+from relay.worker.backend import Backend, Valve
 from relay.worker.config import Config
 from relay.worker.usage import format_counts
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
 log = logging.getLogger("modelrelay.worker")
+
+#: Server pings that may go missing in a row before a silent connection counts as dead.
+SILENT_PINGS = 3
+#: A silence limit derived from the server's ping period is never shorter than this:
+#: a short network hiccup must not cost a reconnect (and requeued requests).
+MIN_SILENCE_SECS = 5.0
+#: Nor longer than this, whatever ping period a server announces.
+MAX_SILENCE_SECS = 24 * 3600.0
+#: Close code and reason a worker gives up a silent connection with.
+SILENCE_CLOSE = (1001, "no message from the server")
+
+
+def silence_limit(configured: float, ping_interval: float | None) -> float | None:
+    """Seconds without any frame from the server after which the worker reconnects.
+
+    Called when ``register_ack`` arrives. ``None`` (wait forever, as with servers that
+    predate the extension) when the ack announces no usable ping period; otherwise
+    ``configured`` (``--server-silence-secs``) when set, else :data:`SILENT_PINGS` ping
+    periods, bounded by :data:`MIN_SILENCE_SECS` and :data:`MAX_SILENCE_SECS`.
+    """
+    if ping_interval is None or not math.isfinite(ping_interval) or ping_interval <= 0:
+        return None
+    if configured > 0:
+        return configured
+    return min(max(SILENT_PINGS * ping_interval, MIN_SILENCE_SECS), MAX_SILENCE_SECS)
 
 
 class Owner(Protocol):
@@ -77,9 +108,16 @@ class Session:
         self.worker = worker
         self.ws = ws
         self.requests: dict[str, asyncio.Task[None]] = {}
+        #: Flow control of each request in ``requests`` (``pause`` / ``resume``).
+        self.valves: dict[str, Valve] = {}
         self.children: set[asyncio.Task[Any]] = set()
         self.registered_at: float | None = None
         self.draining = False
+        #: The extensions the server accepted in ``register_ack``.
+        self.accepted: frozenset[str] = frozenset()
+        #: Event-loop time of the last frame received from the server.
+        self.last_heard = asyncio.get_running_loop().time()
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def load(self) -> int:
@@ -113,10 +151,14 @@ class Session:
                     max_concurrent=worker.max_concurrent,
                     protocol_version=PROTOCOL_VERSION,
                     current_load=0,
+                    features=list(FEATURES),
                 )
             )
+            loop = asyncio.get_running_loop()
             while True:
-                await self.on_frame(await self.ws.recv())
+                raw = await self.ws.recv()
+                self.last_heard = loop.time()
+                await self.on_frame(raw)
         except ConnectionClosed:
             pass
         finally:
@@ -138,6 +180,8 @@ class Session:
                 await self.on_request(message)
             case Cancel():
                 self.on_cancel(message)
+            case Pause() | Resume():
+                self.on_flow(message)
             case Ping():
                 pong = Pong(current_load=self.load, timestamp_unix_ms=message.timestamp_unix_ms)
                 await self.send(pong)
@@ -164,32 +208,55 @@ class Session:
         )
         for warning in ack.warnings:
             log.warning("proxy warning on register: %s", warning)
+        self.accepted = frozenset(ack.features) & frozenset(FEATURES)
+        log.debug("proxy accepted features: %s", ", ".join(sorted(self.accepted)) or "(none)")
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        interval = ack.heartbeat_interval_secs
+        configured = self.worker.config.server_silence_secs
+        limit = silence_limit(configured, interval)
+        if limit is not None and interval is not None:
+            if 0 < configured <= interval:
+                log.warning(
+                    "SERVER_SILENCE_SECS (%gs) is not longer than the proxy's ping period "
+                    "(%gs): the connection will be dropped between two pings",
+                    configured,
+                    interval,
+                )
+            log.debug(
+                "the proxy pings every %gs; reconnecting after %gs of silence", interval, limit
+            )
+            self._watchdog = self.spawn(
+                self._watch_for_silence(limit, interval), name="silence watchdog"
+            )
         if self.worker.config.models is None and not self.draining:
             self.spawn(self._refresh_periodically(), name="model refresh")
 
     async def on_request(self, request: Request) -> None:
         rid = request.request_id
         if self.worker.draining:
+            # The server sent it before it learned of the drain (our empty models_update
+            # or its own graceful_shutdown); this code makes it requeue the request for
+            # another worker instead of failing the client.
             log.info("refusing request %s: the worker is shutting down", rid)
-            err = ServiceUnavailable("The worker is shutting down, please retry")
             await self.send(
-                ResponseComplete(
-                    request_id=rid,
-                    status_code=503,
-                    headers={"content-type": "application/json", "retry-after": "1"},
-                    body=error_body(err, flavor_of(request.endpoint_path)).decode(),
-                )
+                Error(request_id=rid, code=WORKER_DRAINING, message="worker is shutting down")
             )
             return
         if rid in self.requests:
             log.warning("ignoring a second request with id %s", rid)
             return
-        task = self.spawn(self.serve(request), name=f"request {rid}")
+        valve = Valve()
+        task = self.spawn(self.serve(request, valve), name=f"request {rid}")
         self.requests[rid] = task
+        self.valves[rid] = valve
 
         def forget(done: asyncio.Task[Any]) -> None:
             if self.requests.get(rid) is done:
                 del self.requests[rid]
+            if self.valves.get(rid) is valve:
+                del self.valves[rid]
 
         task.add_done_callback(forget)
 
@@ -199,8 +266,27 @@ class Session:
         if task is None:
             log.debug("cancel for %s: not in flight here", cancel.request_id)
             return
+        self.valves.pop(cancel.request_id, None)
+        # Any reason aborts: newer servers send reasons this worker does not know.
         log.info("cancelled request %s (%s)", cancel.request_id, cancel.reason)
         task.cancel()
+
+    def on_flow(self, message: Pause | Resume) -> None:
+        """``pause`` / ``resume``: stop or restart reading that one backend response."""
+        rid, pause = message.request_id, isinstance(message, Pause)
+        verb = "pause" if pause else "resume"
+        if FLOW_CONTROL not in self.accepted:
+            log.debug("%s for %s ignored: flow control was not agreed", verb, rid)
+            return
+        valve = self.valves.get(rid)
+        if valve is None:  # finished or cancelled meanwhile: nothing to hold back
+            log.debug("%s for %s ignored: not in flight here", verb, rid)
+            return
+        if pause:
+            valve.pause()
+        else:
+            valve.resume()
+        log.debug("%sd request %s", verb, rid)
 
     def drain(self, *, announce: bool) -> None:
         """Stop taking work; close the connection once in-flight requests finished."""
@@ -218,13 +304,39 @@ class Session:
         log.info("graceful shutdown: no requests in flight; closing the connection")
         await self.ws.close(1000, "worker drained")
 
+    async def _watch_for_silence(self, limit: float, interval: float) -> None:
+        """Close the connection once the server sent nothing for ``limit`` seconds.
+
+        The server pings every ``interval``; when even those stop, its application is
+        gone although its WebSocket library may still answer WebSocket pings, so the
+        worker would otherwise wait forever. Closing ends :meth:`run`, which aborts the
+        requests in flight; the worker's loop then reconnects with backoff.
+        """
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self.last_heard
+        while quiet < limit:  # a timer pushed back by every frame, not a poll
+            await asyncio.sleep(limit - quiet)
+            quiet = loop.time() - self.last_heard
+        log.warning(
+            "no message from the proxy for %.1fs although it pings every %gs: the "
+            "connection looks dead; closing it to reconnect",
+            quiet,
+            interval,
+        )
+        try:
+            # A peer that stopped reading can block even the close frame: bounded.
+            async with asyncio.timeout(self.ws.close_timeout):
+                await self.ws.close(*SILENCE_CLOSE)
+        except TimeoutError:
+            self.ws.transport.abort()
+
     async def _refresh_periodically(self) -> None:
         while True:
             await asyncio.sleep(self.worker.config.model_refresh_secs)
             if not self.worker.draining:
                 await self.worker.refresh_models(self, always=False)
 
-    async def serve(self, request: Request) -> None:
+    async def serve(self, request: Request, valve: Valve) -> None:
         """Forward one request to the backend and report its outcome to the relay."""
         started = time.monotonic()
         log.info(
@@ -236,7 +348,7 @@ class Session:
         )
         backend = self.worker.backend
         try:
-            complete = await backend.exchange(request, self.send)
+            complete = await backend.exchange(request, self.send, valve)
             frame = encode(complete).encode()
             if len(frame) > self.worker.config.max_message_bytes:
                 complete = backend.failure(request, "the backend's response is too large to relay")

@@ -29,10 +29,14 @@ from websockets.http11 import Response as HandshakeResponse
 
 import worker
 from relay.wire.protocol import (
+    FLOW_CONTROL,
+    WORKER_DRAINING,
     Cancel,
+    Error,
     GracefulShutdown,
     ModelsRefresh,
     ModelsUpdate,
+    Pause,
     Ping,
     Pong,
     Register,
@@ -40,6 +44,7 @@ from relay.wire.protocol import (
     Request,
     ResponseChunk,
     ResponseComplete,
+    Resume,
     ServerMessage,
     TokenCounts,
     WorkerMessage,
@@ -47,7 +52,8 @@ from relay.wire.protocol import (
     encode,
 )
 from relay.worker.config import Config, parse_config
-from tests.upstream import FakeUpstream, unused_port
+from relay.worker.session import MAX_SILENCE_SECS, MIN_SILENCE_SECS, silence_limit
+from tests.upstream import FakeUpstream, Recorded, unused_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "mrw_worker-test-secret"
@@ -69,11 +75,24 @@ M = TypeVar("M")
 
 
 class RelaySide:
-    """The relay's end of one worker connection, scripted by a test."""
+    """The relay's end of one worker connection, scripted by a test.
 
-    def __init__(self, ws: ServerConnection, auto_ack: bool) -> None:
+    Its ``register_ack`` accepts ``features`` (None: all the worker announced) and
+    announces ``heartbeat`` as the ping period (None: says nothing, like older relays);
+    the relay never pings by itself.
+    """
+
+    def __init__(
+        self,
+        ws: ServerConnection,
+        auto_ack: bool,
+        features: list[str] | None = None,
+        heartbeat: float | None = None,
+    ) -> None:
         self.ws = ws
         self.auto_ack = auto_ack
+        self.features = features
+        self.heartbeat = heartbeat
         self.received: list[WorkerMessage] = []
         self.register: Register | None = None
         self.registered = asyncio.Event()
@@ -88,7 +107,12 @@ class RelaySide:
                 if isinstance(message, Register) and self.register is None:
                     self.register = message
                     if self.auto_ack:
-                        ack = RegisterAck(worker_id="w-test", models=message.models)
+                        ack = RegisterAck(
+                            worker_id="w-test",
+                            models=message.models,
+                            features=message.features if self.features is None else self.features,
+                            heartbeat_interval_secs=self.heartbeat,
+                        )
                         await self.send(ack)
                     self.registered.set()
                 self.received.append(message)
@@ -161,7 +185,10 @@ class RelaySide:
 
 
 class FakeRelay:
-    """Accepts workers on ``127.0.0.1:0``; ``refuse`` closes each with that code after accept."""
+    """Accepts workers on ``127.0.0.1:0``; ``refuse`` closes each with that code after accept.
+
+    ``features`` and ``heartbeat`` shape every ``register_ack`` (see :class:`RelaySide`).
+    """
 
     def __init__(
         self,
@@ -169,8 +196,12 @@ class FakeRelay:
         auto_ack: bool = True,
         refuse: tuple[int, str] | None = None,
         reject_status: int | None = None,
+        features: list[str] | None = None,
+        heartbeat: float | None = None,
     ) -> None:
         self.auto_ack = auto_ack
+        self.features = features
+        self.heartbeat = heartbeat
         self.refuse = refuse
         self.reject_status = reject_status
         self.sides: list[RelaySide] = []
@@ -208,7 +239,7 @@ class FakeRelay:
         return None
 
     async def _handle(self, ws: ServerConnection) -> None:
-        side = RelaySide(ws, self.auto_ack)
+        side = RelaySide(ws, self.auto_ack, self.features, self.heartbeat)
         self.sides.append(side)
         self._changed.set()
         try:
@@ -429,6 +460,7 @@ async def test_it_registers_with_its_name_models_capacity_and_secret(
             max_concurrent=3,
             protocol_version="1",
             current_load=0,
+            features=[FLOW_CONTROL],
         )
         assert side.ws.request is not None
         assert side.ws.request.path == "/v1/worker/connect?provider=gpu-pool"
@@ -551,6 +583,21 @@ async def test_cancel_aborts_exactly_that_backend_request(
     assert "cancelled request r-a (client_disconnect)" in caplog.text
 
 
+@pytest.mark.parametrize("reason", ["stream_limit", "slow_client", "a_reason_from_a_newer_server"])
+async def test_any_cancel_reason_aborts_that_backend_request_and_is_logged(
+    connected: tuple[RelaySide, FakeUpstream], caplog: pytest.LogCaptureFixture, reason: str
+) -> None:
+    caplog.set_level(logging.INFO, logger="modelrelay.worker")
+    side, up = connected
+    await side.request("r-c", CHAT, stream=True, mock={"stepped": True})
+    (seen,) = await up.wait_requests(1, path=CHAT)
+    await side.send(Cancel(request_id="r-c", reason=reason))
+    await asyncio.wait_for(seen.disconnected.wait(), 5)
+    assert (await side.ping(1)).current_load == 0
+    assert not any(isinstance(m, ResponseComplete) for m in side.received)
+    assert f"cancelled request r-c ({reason})" in caplog.text
+
+
 async def test_pong_reports_live_load_and_echoes_the_timestamp(
     connected: tuple[RelaySide, FakeUpstream],
 ) -> None:
@@ -669,6 +716,136 @@ async def test_a_response_too_large_for_one_message_is_a_502(
         assert (await side.complete("r-small")).status_code == 200
 
 
+# --------------------------------------------------------------------------- flow control
+
+#: A stream far larger than every socket buffer between the upstream and the worker.
+FLOOD = {"stepped": True, "tokens": 512, "padding": 64 * 1024}
+#: What a paused request may still forward: the one read already under way
+#: (httpcore reads 64 KiB at a time), never the rest of the stream.
+READ_AHEAD = 2 * 64 * 1024
+
+
+def relayed(side: RelaySide, rid: str) -> int:
+    return sum(len(chunk) for chunk in side.chunks(rid))
+
+
+async def settled(value: Callable[[], int], timeout: float = 5.0) -> int:
+    """``value()`` once it stopped changing: the same at ten looks 30 ms apart.
+
+    300 ms outlasts a delayed TCP acknowledgement (Linux waits at most 200 ms), so a
+    window update still on its way cannot move the value afterwards.
+    """
+    async with asyncio.timeout(timeout):
+        last, same = value(), 0
+        while same < 10:
+            await asyncio.sleep(0.03)
+            now = value()
+            same, last = (same + 1 if now == last else 0), now
+        return last
+
+
+async def paused_mid_flood(
+    side: RelaySide, up: FakeUpstream, rid: str
+) -> tuple[str, Recorded, int]:
+    """Start a big stream, pause it after two events, let the upstream write all it can.
+
+    Returns the request body, the upstream's record once its writes stopped, and how
+    many characters had been relayed when the pause took effect.
+    """
+    body = await side.request(rid, CHAT, stream=True, mock=FLOOD)
+    seen = (await up.wait_requests(1, path=CHAT))[-1]
+    up.release(2)
+    async with asyncio.timeout(5):
+        while len(side.chunks(rid)) < 2:
+            await side.wait_for(ResponseChunk)
+    await side.send(Pause(request_id=rid))
+    await side.ping(100)  # frames are handled in order: the pause is in effect
+    at_pause = relayed(side, rid)
+    up.release(100_000)  # every write the stream has, and then some
+    await settled(lambda: seen.bytes_written)
+    return body, seen, at_pause
+
+
+@pytest.fixture
+async def flow_upstream() -> AsyncIterator[FakeUpstream]:
+    # A small fixed send buffer keeps what the kernel queues for a stalled reader
+    # predictable (self-tuning can reach megabytes on loopback).
+    async with FakeUpstream(send_buffer=256 * 1024) as up:
+        yield up
+
+
+async def test_pause_stops_reading_that_backend_response_until_resume(
+    relay: FakeRelay, flow_upstream: FakeUpstream
+) -> None:
+    up = flow_upstream
+    async with running(config(relay.url, up.url)):
+        side = await relay.registered()
+        assert side.register is not None and side.register.features == [FLOW_CONTROL]
+        body, seen, at_pause = await paused_mid_flood(side, up, "r-p")
+        held = seen.bytes_written
+        assert relayed(side, "r-p") - at_pause <= READ_AHEAD
+        # Another request on the same connection is not held up...
+        await side.request("r-other", CHAT, stream=True, mock={"tokens": 50})
+        assert (await side.complete("r-other")).status_code == 200
+        # ...and meanwhile the paused one read nothing, so its backend wrote nothing.
+        assert seen.bytes_written == held
+        paused_at = relayed(side, "r-p")
+        await side.ping(101)
+        assert relayed(side, "r-p") == paused_at
+        assert not seen.finished.is_set()
+
+        await side.send(Resume(request_id="r-p"))
+        complete = await side.complete("r-p", timeout=30)
+        assert complete.status_code == 200
+        assert complete.token_counts == TokenCounts(7, 512, 519)
+        total = seen.bytes_written
+        assert held < total // 4  # the backend really was held back
+        assert "".join(side.chunks("r-p")).encode() == await direct(up, CHAT, body)
+
+
+async def test_a_cancel_while_paused_aborts_the_backend_request_at_once(
+    relay: FakeRelay, flow_upstream: FakeUpstream
+) -> None:
+    async with running(config(relay.url, flow_upstream.url)):
+        side = await relay.registered()
+        _, seen, _ = await paused_mid_flood(side, flow_upstream, "r-p")
+        await side.send(Cancel(request_id="r-p", reason="slow_client"))
+        await asyncio.wait_for(seen.disconnected.wait(), 5)
+        assert (await side.ping(1)).current_load == 0
+        assert not any(isinstance(m, ResponseComplete) for m in side.received)
+
+
+async def test_pause_and_resume_for_requests_not_in_flight_are_ignored(
+    connected: tuple[RelaySide, FakeUpstream], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="modelrelay.worker")
+    side, _ = connected
+    await side.request("r-done", CHAT, stream=True)
+    assert (await side.complete("r-done")).status_code == 200
+    for rid in ("r-unknown", "r-done"):
+        await side.send(Pause(request_id=rid))
+        await side.send(Resume(request_id=rid))
+    assert (await side.ping(1)).current_load == 0
+    await side.request("r-next", CHAT, stream=True)
+    assert (await side.complete("r-next")).status_code == 200
+    assert not side.closed.is_set()
+    assert "pause for r-unknown ignored: not in flight here" in caplog.text
+    assert "resume for r-unknown ignored: not in flight here" in caplog.text
+
+
+async def test_pause_is_ignored_when_the_relay_did_not_accept_flow_control(
+    upstream: FakeUpstream,
+) -> None:
+    async with FakeRelay(features=[]) as relay, running(config(relay.url, upstream.url)):
+        side = await relay.registered()
+        await side.request("r-p", CHAT, stream=True, mock={"stepped": True})
+        await upstream.wait_requests(1, path=CHAT)
+        await side.send(Pause(request_id="r-p"))
+        await side.ping(1)
+        upstream.release(100)
+        assert (await side.complete("r-p")).status_code == 200  # no resume needed
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -727,6 +904,64 @@ async def side_request_in_flight(side: RelaySide, up: FakeUpstream) -> None:
     await up.wait_requests(1, path=CHAT)
 
 
+def test_the_silence_limit_is_three_server_pings_within_bounds() -> None:
+    assert silence_limit(0, 15) == 45
+    assert silence_limit(0, 0.05) == MIN_SILENCE_SECS  # never a hair trigger by default
+    assert silence_limit(0, 1e300) == MAX_SILENCE_SECS
+    assert silence_limit(0.3, 0.05) == 0.3  # --server-silence-secs wins
+    assert silence_limit(120, 15) == 120
+    # No usable ping period announced (older servers): never.
+    for period in (None, 0.0, -1.0, float("nan"), float("inf")):
+        assert silence_limit(0, period) is None
+        assert silence_limit(0.3, period) is None
+
+
+async def test_it_reconnects_when_the_server_goes_silent(
+    upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="modelrelay.worker")
+    # This relay announces pings every 50 ms and then sends nothing at all, while its
+    # TCP connection stays open and its WebSocket library answers pings and closes.
+    async with (
+        FakeRelay(heartbeat=0.05) as relay,
+        running(config(relay.url, upstream.url, "--server-silence-secs", "0.3")),
+    ):
+        first = await relay.registered(0)
+        await side_request_in_flight(first, upstream)
+        second = await relay.registered(1)
+        assert second.register is not None and second.register.current_load == 0
+        assert first.closed.is_set() and first.ws.close_code == 1001
+        # The request in flight was aborted with the connection, as on any loss.
+        await asyncio.wait_for(upstream.requests_to(CHAT)[0].disconnected.wait(), 5)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no message from the proxy" in w and "pings every 0.05s" in w for w in warnings)
+
+
+async def test_server_pings_keep_a_quiet_connection_open(upstream: FakeUpstream) -> None:
+    async with (
+        FakeRelay(heartbeat=0.05) as relay,
+        running(config(relay.url, upstream.url, "--server-silence-secs", "0.8")),
+    ):
+        side = await relay.registered()
+        loop = asyncio.get_running_loop()
+        until, stamp = loop.time() + 1.2, 0  # longer than the silence limit
+        while loop.time() < until:
+            stamp += 1
+            await side.ping(stamp)
+            await asyncio.sleep(0.05)
+        assert len(relay.sides) == 1 and not side.closed.is_set()
+
+
+async def test_a_silent_server_that_announced_no_ping_period_is_not_dropped(
+    relay: FakeRelay, upstream: FakeUpstream
+) -> None:
+    async with running(config(relay.url, upstream.url, "--server-silence-secs", "0.05")):
+        side = await relay.registered()
+        await asyncio.sleep(0.3)  # six times the setting, which needs a period to apply
+        assert (await side.ping(1)).current_load == 0
+        assert len(relay.sides) == 1 and not side.closed.is_set()
+
+
 async def test_a_policy_close_is_logged_clearly_and_retried_slowly(
     upstream: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -779,15 +1014,22 @@ async def test_graceful_shutdown_finishes_in_flight_work_then_exits_0(
         await upstream.wait_requests(1, path=CHAT)
         await side.send(GracefulShutdown(reason="maintenance", drain_timeout_secs=30))
         await side.request("r-late", MESSAGES)
-        refused = await side.complete("r-late")
-        assert refused.status_code == 503
-        assert refused.body is not None and json.loads(refused.body)["type"] == "error"
+        assert await side.wait_for(Error) == draining_refusal("r-late")
         assert not side.closed.is_set()
         upstream.release(100)
         assert (await side.complete("r-1")).status_code == 200
         assert await asyncio.wait_for(task, 5) == 0
         assert side.closed.is_set()
     assert len(relay.sides) == 1  # it did not reconnect
+    assert upstream.requests_to(MESSAGES) == []
+    assert not any(
+        isinstance(m, ResponseComplete) and m.request_id == "r-late" for m in side.received
+    )
+
+
+def draining_refusal(rid: str) -> Error:
+    """The frame a shutting-down worker refuses ``rid`` with, so the relay requeues it."""
+    return Error(request_id=rid, code=WORKER_DRAINING, message="worker is shutting down")
 
 
 async def test_the_server_closing_a_drained_worker_counts_as_done(
@@ -812,13 +1054,18 @@ async def test_sigterm_drains_in_flight_work_and_exits_0(
         proc.proc.send_signal(signal.SIGTERM)
         assert (await side.wait_for(ModelsUpdate)).models == []
         await side.request("r-late", CHAT)
-        assert (await side.complete("r-late")).status_code == 503
+        assert await side.wait_for(Error) == draining_refusal("r-late")
         upstream.release(100)
         complete = await side.complete("r-1")
         assert complete.status_code == 200
         assert await proc.wait() == 0
         assert "graceful shutdown" in proc.log
+        assert "refusing request r-late: the worker is shutting down" in proc.log
     assert len(relay.sides) == 1
+    assert len(upstream.requests_to(CHAT)) == 1
+    assert not any(
+        isinstance(m, ResponseComplete) and m.request_id == "r-late" for m in side.received
+    )
 
 
 async def test_a_second_sigterm_exits_at_once(relay: FakeRelay, upstream: FakeUpstream) -> None:

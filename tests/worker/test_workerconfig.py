@@ -31,3 +31,12 @@ def test_settings_come_from_flags_then_environment() -> None:
     assert missing.value.code == 2
     with pytest.raises(SystemExit):
         parse_config(["--max-concurrent", "0"], {"WORKER_SECRET": "s"})
+
+
+def test_the_server_silence_limit_takes_decimals_and_defaults_to_derived() -> None:
+    assert parse_config([], {"WORKER_SECRET": "s"}).server_silence_secs == 0
+    env = {"WORKER_SECRET": "s", "SERVER_SILENCE_SECS": "0.25"}
+    assert parse_config([], env).server_silence_secs == 0.25
+    assert parse_config(["--server-silence-secs", "90"], env).server_silence_secs == 90
+    with pytest.raises(SystemExit):
+        parse_config(["--server-silence-secs", "-1"], env)
