@@ -87,8 +87,8 @@ class RegisterAck(msgspec.Struct, tag="register_ack", tag_field="type"):
     #: Extensions (optional; absent for peers that do not send them): the server's
     #: ping period, so a worker can tell a dead connection from a quiet one, and the
     #: features of the worker's ``register`` that the server will use.
-    heartbeat_interval_secs: float | None = None
-    features: list[str] = []
+    heartbeat_interval_secs: Annotated[float, msgspec.Meta(gt=0, le=86_400)] | None = None
+    features: Annotated[list[ShortText], msgspec.Meta(max_length=64)] = []
 
 
 class Request(msgspec.Struct, tag="request", tag_field="type"):
@@ -125,7 +125,7 @@ class Ping(msgspec.Struct, tag="ping", tag_field="type"):
 
 class GracefulShutdown(msgspec.Struct, tag="graceful_shutdown", tag_field="type"):
     reason: str | None = None
-    drain_timeout_secs: int | None = None
+    drain_timeout_secs: Annotated[int, msgspec.Meta(ge=0, le=10**7)] | None = None
 
 
 class ModelsRefresh(msgspec.Struct, tag="models_refresh", tag_field="type"):
@@ -146,7 +146,7 @@ class Register(msgspec.Struct, tag="register", tag_field="type"):
     protocol_version: ShortText | None = None
     current_load: NonNegative = 0
     #: Optional extensions this worker supports (see the module docstring).
-    features: list[ShortText] = []
+    features: Annotated[list[ShortText], msgspec.Meta(max_length=64)] = []
 
 
 class ModelsUpdate(msgspec.Struct, tag="models_update", tag_field="type"):
