@@ -56,7 +56,7 @@ class ProviderAdmin(admin.ModelAdmin):
     actions = ("rotate_secret", "enable", "disable")
     fieldsets = (
         (None, {"fields": ("name", "enabled", "description", "secret_prefix")}),
-        ("Models", {"fields": ("declared_models",)}),
+        ("Models", {"fields": ("declared_models", "exclusive_models")}),
         (
             "Limits (empty = server default)",
             {

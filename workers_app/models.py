@@ -42,6 +42,13 @@ class Provider(models.Model):
         help_text="Models this provider serves even while no worker is connected "
         "(one per line or comma-separated). Requests for them queue instead of 404.",
     )
+    exclusive_models = models.TextField(
+        blank=True,
+        help_text="Models only this provider's workers may serve (one per line or "
+        "comma-separated). A worker of another provider that advertises one is not acked "
+        "for it, so it never receives that model's traffic. Leave empty when one provider "
+        "serves everything.",
+    )
     max_queue_len = models.PositiveIntegerField(
         null=True,
         blank=True,
@@ -90,6 +97,25 @@ class Provider(models.Model):
     @property
     def declared_model_list(self) -> list[str]:
         return split_models(self.declared_models)
+
+    @property
+    def exclusive_model_list(self) -> list[str]:
+        return split_models(self.exclusive_models)
+
+    def clean(self) -> None:
+        claimed = set(self.exclusive_model_list)
+        if not claimed:
+            return
+        others = Provider.objects.exclude(pk=self.pk).exclude(exclusive_models="")
+        for other in others:
+            clash = sorted(claimed & set(other.exclusive_model_list))
+            if clash:
+                raise ValidationError(
+                    {
+                        "exclusive_models": f"Already exclusive to provider {other.name!r}: "
+                        + ", ".join(clash)
+                    }
+                )
 
 
 class WorkerSession(models.Model):

@@ -52,6 +52,8 @@ class ProviderPolicy:
     name: str
     enabled: bool = True
     declared_models: frozenset[str] = field(default_factory=frozenset)
+    #: Models only this provider's workers may serve (see SPEC §4, model squatting).
+    exclusive_models: frozenset[str] = field(default_factory=frozenset)
     max_queue_len: int = 100
     queue_timeout: float = 30.0
     request_timeout: float = 300.0
@@ -65,6 +67,7 @@ class ProviderPolicy:
         *,
         enabled: bool = True,
         declared_models: frozenset[str] | None = None,
+        exclusive_models: frozenset[str] | None = None,
         max_queue_len: int | None = None,
         queue_timeout: float | None = None,
         request_timeout: float | None = None,
@@ -74,6 +77,7 @@ class ProviderPolicy:
             name=name,
             enabled=enabled,
             declared_models=declared_models or frozenset(),
+            exclusive_models=exclusive_models or frozenset(),
             max_queue_len=config.max_queue_len if max_queue_len is None else max_queue_len,
             queue_timeout=config.queue_timeout if queue_timeout is None else queue_timeout,
             request_timeout=config.request_timeout if request_timeout is None else request_timeout,

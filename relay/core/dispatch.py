@@ -82,19 +82,50 @@ class Dispatcher:
         self._idle = asyncio.Event()
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._drain_timers: dict[str, asyncio.TimerHandle] = {}
+        #: model -> the provider that declared it exclusive (the first by name, if two do).
+        self.reserved: dict[str, str] = {}
 
     # ------------------------------------------------------------------ providers
 
     def set_provider(self, policy: ProviderPolicy) -> None:
         """Create or update a provider; disabling fails its queue and closes its workers."""
         state = self.providers.get(policy.name)
+        previous = state.policy.exclusive_models if state is not None else frozenset()
         if state is None:
             self.providers[policy.name] = ProviderState(policy, self.loop.time())
         else:
             state.policy = policy
             state.touched = self.loop.time()
+        if policy.exclusive_models != previous:
+            self._reserve_models()
         if not policy.enabled:
             self._evict_provider(policy.name, ProviderDisabled, "provider disabled")
+
+    def reserved_for_others(self, provider: str, models: Iterable[str]) -> list[str]:
+        """Which of ``models`` another provider declared exclusive."""
+        reserved = self.reserved
+        return [m for m in models if reserved.get(m, provider) != provider]
+
+    def _reserve_models(self) -> None:
+        """Rebuild the exclusive-model table and take newly reserved models away from
+        other providers' workers (they are no longer routed there)."""
+        reserved: dict[str, str] = {}
+        for name in sorted(self.providers):
+            for model in self.providers[name].policy.exclusive_models:
+                reserved.setdefault(model, name)
+        self.reserved = reserved
+        now = self.loop.time()
+        for worker in list(self.registry.workers.values()):
+            taken = self.reserved_for_others(worker.provider, worker.models)
+            if taken:
+                logger.warning(
+                    "worker %r (%s) no longer serves %s: reserved for another provider",
+                    worker.name,
+                    worker.id,
+                    ", ".join(taken),
+                )
+                keep = [m for m in worker.models if m not in taken]
+                self.registry.set_models(worker, keep, now)
 
     def sync_providers(self, policies: Iterable[ProviderPolicy], *, as_of: float) -> None:
         """Replace the provider set with a snapshot read at loop time ``as_of``.
@@ -117,6 +148,8 @@ class Dispatcher:
         state = self.providers.pop(name, None)
         self._evict_provider(name, ProviderGone, "provider deleted", state)
         self.registry.forget_provider(name)
+        if state is not None and state.policy.exclusive_models:
+            self._reserve_models()
 
     def _evict_provider(
         self,
@@ -138,15 +171,19 @@ class Dispatcher:
         """Enabled providers that can serve ``model``, best first; raises when none.
 
         Preference: a connected worker advertises it, then the provider declares it,
-        then a worker advertised it within ``model_memory``.
+        then a worker advertised it within ``model_memory``. A model one provider
+        declared exclusive is routed to that provider only.
         """
         now = self.loop.time()
         ranked: list[tuple[int, str, ProviderState]] = []
         disabled = False
+        owner = self.reserved.get(model)
         for name, state in self.providers.items():
+            if owner is not None and name != owner:
+                continue
             if self.registry.serving(name, model):
                 rank = 0
-            elif model in state.policy.declared_models:
+            elif model in state.policy.declared_models or owner == name:
                 rank = 1
             elif self.registry.remembers(name, model, now):
                 rank = 2
@@ -166,11 +203,13 @@ class Dispatcher:
     def routable_models(self) -> dict[str, set[str]]:
         """Models a request could be routed for now: model -> providers."""
         out: dict[str, set[str]] = {}
+        reserved = self.reserved
         for name, state in self.providers.items():
             if not state.policy.enabled:
                 continue
-            for model in state.policy.declared_models:
-                out.setdefault(model, set()).add(name)
+            for model in state.policy.declared_models | state.policy.exclusive_models:
+                if reserved.get(model, name) == name:
+                    out.setdefault(model, set()).add(name)
         for model, names in self.registry.models().items():
             for name in names:
                 live = self.providers.get(name)

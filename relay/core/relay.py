@@ -45,9 +45,7 @@ class Relay(Dispatcher):
         """
         state = self.providers.get(provider)
         cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
-        accepted, warnings = sanitize_models(
-            models, cap=cap, max_len=self.config.max_model_name_len
-        )
+        accepted, warnings = self._acceptable(provider, models, cap)
         clean_name = name.strip()[: self.config.max_worker_name_len] or "worker"
         if clean_name != name:
             warnings.append("worker name was trimmed or shortened")
@@ -91,6 +89,21 @@ class Relay(Dispatcher):
         self._ensure_heartbeat()
         self._feed(worker)
         return worker, warnings
+
+    def _acceptable(
+        self, provider: str, models: list[str], cap: int
+    ) -> tuple[list[str], list[str]]:
+        """A worker's advertised models as acked: sanitized, minus those another
+        provider declared exclusive; with the warnings for ``register_ack``."""
+        accepted, warnings = sanitize_models(
+            models, cap=cap, max_len=self.config.max_model_name_len
+        )
+        taken = self.reserved_for_others(provider, accepted)
+        if taken:
+            accepted = [m for m in accepted if m not in taken]
+            shown = ", ".join(repr(m) for m in taken[:10])
+            warnings.append(f"not acked, reserved for another provider: {shown}")
+        return accepted, warnings
 
     def on_chunk(self, worker: Worker, request_id: str, chunk: str) -> None:
         request = worker.in_flight.get(request_id)
@@ -214,9 +227,7 @@ class Relay(Dispatcher):
     ) -> list[str]:
         state = self.providers.get(worker.provider)
         cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
-        accepted, warnings = sanitize_models(
-            models, cap=cap, max_len=self.config.max_model_name_len
-        )
+        accepted, warnings = self._acceptable(worker.provider, models, cap)
         self.registry.set_models(worker, accepted, self.loop.time())
         if current_load is not None:
             worker.report_load(current_load)

@@ -651,3 +651,37 @@ async def test_model_memory_stays_bounded_however_fast_names_churn():
         relay.close_worker(worker, 1000, "gone")
     assert relay.registry.remembered() <= 10_000
     assert relay.registry.remembers("local", "model-11999", relay.loop.time())
+
+
+# -- exclusive models ------------------------------------------------------------
+
+
+async def test_a_model_declared_exclusive_is_never_routed_to_another_providers_worker():
+    relay = make_relay()
+    relay.set_provider(ProviderPolicy.from_overrides(FAST, "b", exclusive_models=frozenset({"m"})))
+    squatter, squatter_link = attach(relay, ["m", "own"], name="squatter")
+    ack = squatter_link.of_type(protocol.RegisterAck)[0]
+    assert ack.models == ["own"]
+    assert ack.warnings == ["not acked, reserved for another provider: 'm'"]
+    request = submit(relay, "m")
+    assert request.phase is Phase.QUEUED and request.provider == "b"  # waits for b
+    owner, owner_link = attach(relay, ["m"], provider="b", name="owner")
+    assert request.worker is owner
+    assert relay.routable_models()["m"] == {"b"}
+    relay.on_models_update(squatter, ["m", "own", "more"], 0)
+    assert squatter.models == ("own", "more")
+    assert [r.request_id for r in squatter_link.requests] == []
+    assert [r.request_id for r in owner_link.requests] == [request.id]
+
+
+async def test_reserving_a_model_later_takes_it_from_other_providers_workers():
+    relay = make_relay()
+    squatter, _ = attach(relay, ["m", "own"], name="squatter", max_concurrent=3)
+    assert submit(relay, "m").worker is squatter
+    relay.set_provider(ProviderPolicy.from_overrides(FAST, "b", exclusive_models=frozenset({"m"})))
+    assert squatter.models == ("own",)
+    assert submit(relay, "m").provider == "b"
+    relay.remove_provider("b")
+    assert relay.reserved == {}
+    relay.on_models_update(squatter, ["m", "own"], 0)  # free for anyone again
+    assert submit(relay, "m").worker is squatter

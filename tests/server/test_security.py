@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 from keys.services import create_key
 from relay.server import http, runtime
 from relay.wire import protocol
-from tests.asgikit import FakeWorker, HttpCall, chat, make_provider
+from tests.asgikit import FakeWorker, HttpCall, chat, make_provider, until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -202,3 +202,36 @@ async def test_an_inference_body_without_a_json_content_type_gets_415(provider):
         assert document["error"]["message"] == "Content-Type must be application/json"
     call = await post(content_type=b"application/json; charset=utf-8", body={"model": "nope"})
     assert (await call.json())[0] == 404
+
+
+async def test_a_worker_cannot_squat_a_model_another_provider_declared_exclusive(provider):
+    owner_secret = "mrw_owner-secret"
+    await make_provider("owner", owner_secret, exclusive_models="m\nm2")
+    runtime.providers_changed()
+    await until(lambda: "m" in runtime.current().relay.reserved)
+    async with (
+        FakeWorker() as squatter,
+        FakeWorker(provider="owner", secret=owner_secret, client=("192.0.2.9", 9)) as owner,
+    ):
+        ack = await squatter.register(["m", "mine"], max_concurrent=4)
+        assert ack.models == ["mine"]
+        assert ack.warnings == ["not acked, reserved for another provider: 'm'"]
+        call = await post()  # model "m": waits for its owner, never goes to the squatter
+        await owner.register(["m"])
+        request = await owner.expect(protocol.Request)
+        await owner.answer(request.request_id, body="from the owner")
+        assert (await call.response())[2] == b"from the owner"
+        models = await (await HttpCall("GET", "/v1/models").send()).json()
+        owned = {m["id"]: m["owned_by"] for m in models[1]["data"]}
+        assert owned == {"m": "owner", "m2": "owner", "mine": "local"}
+
+
+async def test_two_providers_cannot_both_claim_a_model_exclusively(provider):
+    from django.core.exceptions import ValidationError
+
+    from workers_app.models import Provider
+
+    await make_provider("first", "mrw_first-secret", exclusive_models="m")
+    second = Provider(name="second", exclusive_models="x, m")
+    with pytest.raises(ValidationError, match="Already exclusive to provider 'first': m"):
+        await sync_to_async(second.full_clean)()
