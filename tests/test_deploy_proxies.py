@@ -1,8 +1,9 @@
 """The shipped reverse-proxy configs, live: a real nginx rendered from ``deploy/nginx.conf``
 (plain HTTP on a free loopback port, upstream = a live ``manage.py serve``) carries a
 worker's WebSocket, streams SSE without buffering, propagates a client hang-up and passes
-the client address on. The same runs through Caddy with ``deploy/Caddyfile`` where caddy
-is installed (optional: skipped otherwise, also in CI; nginx is required there).
+the client address on. The same runs through Caddy with ``deploy/Caddyfile``. Both proxies
+are Debian packages that ``make test`` installs (``scripts/install-deb.sh``); without them
+these tests skip on a developer machine and fail under CI=true.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import pytest
@@ -43,11 +44,16 @@ def nginx_binary() -> str:
     """nginx from PATH or Debian's /usr/sbin; skip locally, fail in CI when it is missing."""
     found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
     if found is None:
-        reason = "nginx is not installed (bash scripts/install-nginx.sh installs Debian's)"
-        if IN_CI:
-            pytest.fail(reason + "; CI requires it", pytrace=False)
-        pytest.skip(reason)
+        missing("nginx")
     return found
+
+
+def missing(package: str) -> NoReturn:
+    """Skip on a developer machine, fail in CI, when a proxy package is not installed."""
+    reason = f"{package} is not installed (bash scripts/install-deb.sh {package} installs Debian's)"
+    if IN_CI:
+        pytest.fail(reason + "; CI requires it", pytrace=False)
+    pytest.skip(reason)
 
 
 def _replace_directive(text: str, old: str, new: str) -> str:
@@ -120,10 +126,10 @@ def free_port() -> int:
 
 
 def caddy_binary() -> str:
-    """Caddy is optional (the nginx config is the one CI insists on): skip without it."""
-    found = shutil.which("caddy")
+    """caddy from PATH; skip locally, fail in CI when it is missing."""
+    found = shutil.which("caddy") or shutil.which("caddy", path="/usr/bin:/usr/local/bin")
     if found is None:
-        pytest.skip("caddy is not installed (apt-get install caddy) to check deploy/Caddyfile")
+        missing("caddy")
     return found
 
 
