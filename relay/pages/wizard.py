@@ -4,7 +4,8 @@
 2. ``/setup/backend``: how to start that backend (public);
 3. ``/setup/worker``: staff choose a new provider or rotate an existing one's secret;
    the secret is created here, shown once (never stored in clear, page not cached)
-   together with the worker's install-and-run command for the platform;
+   together with the worker's install-and-run command for the platform and a systemd
+   env file;
 4. the same page follows ``/setup/status`` until a worker of that provider registers
    after the secret was issued, then shows a ``curl`` test for its first model.
 
@@ -201,6 +202,7 @@ def _issued(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
         3,
         provider=provider,
         rotated=data["mode"] == "rotate",
+        env_file=recipes.env_file(setup),
         # serve puts WORKER_SECRET back on its provider at every start.
         env_secret=bool(settings.WORKER_SECRET) and provider.name == settings.PROVIDER_NAME,
         secret=secret,

@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -415,23 +416,39 @@ async def test_the_command_for_each_platform_has_this_url_the_provider_and_the_s
     run = code_block(page, f"run-command-{platform}")
     assert script.endswith(run)
     assert "--proxy-url http://testserver" in run
-    assert "--provider lab-gpus" in run and f"--worker-secret {secret}" in run
+    assert "--provider lab-gpus" in run
     assert "--backend-url http://127.0.0.1:8000" in run
+    # The secret travels in the environment: a flag would show in `ps` on the GPU box.
+    assert "--worker-secret" not in page
     for pin in bundle.worker_requirements():
         assert pin in script
     if platform == "windows":
         assert "py -m venv modelrelay-worker" in script
         assert "Invoke-WebRequest -UseBasicParsing -OutFile worker.pyz " in script
         assert "http://testserver/setup/worker.pyz" in script
-        assert run.startswith(r".\modelrelay-worker\Scripts\python.exe worker.pyz ")
+        python = r".\modelrelay-worker\Scripts\python.exe"
+        assert run.startswith(f"$env:WORKER_SECRET = '{secret}'; {python} worker.pyz ")
         assert "--models 'tiny-model,other-model'" in run
     else:
         assert "curl -fsSLO http://testserver/setup/worker.pyz" in script
         argv = shell_words(run)
-        assert argv[:2] == ["modelrelay-worker/bin/python", "worker.pyz"]
+        assert argv[:3] == [f"WORKER_SECRET={secret}", "modelrelay-worker/bin/python", "worker.pyz"]
         assert argv[argv.index("--models") + 1] == "tiny-model,other-model"
-        assert argv[argv.index("--worker-secret") + 1] == secret
+        assert secret not in argv[1:]
     assert f'data-platform="{platform}"' in page
+
+
+async def test_the_linux_tab_has_a_systemd_env_file_with_the_secret(staff):
+    page = (await staff.post("/setup/worker", SETUP_POST)).content.decode()
+    secret = secret_on(page)
+    lines = code_block(page, "env-file").splitlines()
+    assert lines == [
+        "PROXY_URL=http://testserver",
+        "PROVIDER_NAME=lab-gpus",
+        f"WORKER_SECRET={secret}",
+        "BACKEND_URL=http://127.0.0.1:8000",
+        "MODELS=tiny-model,other-model",
+    ]
 
 
 async def test_an_https_public_url_stays_https_in_the_command(staff, settings):
@@ -456,10 +473,16 @@ def test_commands_quote_what_people_typed():
     )
     linux = recipes.worker_command("linux", setup, ["httpx==0.28.1"])
     argv = shell_words(linux.run)
+    assert argv[0] == "WORKER_SECRET=mrw_abc-DEF_123"
     assert argv[argv.index("--models") + 1] == "it's; rm -rf ~,b"
     assert argv[argv.index("--max-concurrent") + 1] == "3"
     windows = recipes.worker_command("windows", setup, ["httpx==0.28.1"])
+    assert windows.run.startswith("$env:WORKER_SECRET = 'mrw_abc-DEF_123'; ")
     assert "--models 'it''s; rm -rf ~,b'" in windows.run
+    env = recipes.env_file(setup)
+    assert 'MODELS="it\'s; rm -rf ~,b"\n' in env and "MAX_CONCURRENT=3\n" in env
+    odd = recipes.env_file(replace(setup, models=('say "$HOME" \\ `x`',)))
+    assert 'MODELS="say \\"\\$HOME\\" \\\\ \\`x\\`"\n' in odd
     curl = recipes.curl_test("https://relay.example.com", "it's")
     argv = shell_words(curl)
     assert argv[1] == "https://relay.example.com/v1/chat/completions"
