@@ -77,21 +77,26 @@ class ProviderAdmin(admin.ModelAdmin):
         if secret is not None:
             _show_secret_once(request, obj, secret)
 
-    @admin.action(description="Rotate worker secret (connected workers keep running)")
+    # Actions run for anyone who may see the list: each names the permission it needs.
+    @admin.action(
+        description="Rotate worker secret (connected workers keep running)",
+        permissions=["change"],
+    )
     def rotate_secret(self, request: HttpRequest, queryset: QuerySet[Provider]) -> None:
         for provider in queryset:
             secret = provider.rotate_secret()
             provider.save(update_fields=["secret_prefix", "secret_hash", "updated_at"])
             _show_secret_once(request, provider, secret)
 
-    @admin.action(description="Enable selected providers")
+    @admin.action(description="Enable selected providers", permissions=["change"])
     def enable(self, request: HttpRequest, queryset: QuerySet[Provider]) -> None:
         for provider in queryset:
             provider.enabled = True
             provider.save(update_fields=["enabled", "updated_at"])
 
     @admin.action(
-        description="Disable selected providers (fails their queues, closes their workers)"
+        description="Disable selected providers (fails their queues, closes their workers)",
+        permissions=["change"],
     )
     def disable(self, request: HttpRequest, queryset: QuerySet[Provider]) -> None:
         for provider in queryset:

@@ -2,10 +2,10 @@
 
 1. ``/setup``: platform and backend (public);
 2. ``/setup/backend``: how to start that backend (public);
-3. ``/setup/worker``: staff choose a new provider or rotate an existing one's secret;
-   the secret is created here, shown once (never stored in clear, page not cached)
-   together with the worker's install-and-run command for the platform and a systemd
-   env file;
+3. ``/setup/worker``: staff choose a new provider (needs the permission to add
+   providers) or rotate an existing one's secret (to change them); the secret is created
+   here, shown once (never stored in clear, page not cached) together with the worker's
+   install-and-run command for the platform and a systemd env file;
 4. the same page follows ``/setup/status`` until a worker of that provider registers
    after the secret was issued, then shows a ``curl`` test for its first model.
 
@@ -21,7 +21,7 @@ from urllib.parse import urlencode, urlsplit
 from django import forms
 from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
@@ -34,6 +34,9 @@ from relay.server import runtime
 from workers_app.models import Provider, split_models, validate_provider_name
 
 STEPS = ("Platform & backend", "Start the backend", "Run the worker", "Confirm")
+#: Creating a provider (mode "new") and rotating a secret (mode "rotate") need what the
+#: Django admin would ask for the same change.
+MODE_PERMISSIONS = {"new": "workers_app.add_provider", "rotate": "workers_app.change_provider"}
 
 
 def public_url(request: HttpRequest) -> str:
@@ -152,11 +155,21 @@ def _issue_secret(data: dict[str, Any]) -> tuple[Provider, str]:
     return provider, secret
 
 
+def _allowed_modes(request: HttpRequest) -> set[str]:
+    return {mode for mode, perm in MODE_PERMISSIONS.items() if request.user.has_perm(perm)}
+
+
 @never_cache
 @staff_member_required
 def worker(request: HttpRequest) -> HttpResponse:
     """Step 3 (staff): the provider form; on POST, the one-time secret and the commands."""
+    allowed = _allowed_modes(request)
+    if not allowed:
+        raise PermissionDenied("you may not create providers or rotate their secrets")
     if request.method == "POST":
+        # Checked before the form so that nothing is created or rotated without it.
+        if request.POST.get("mode") not in allowed:
+            raise PermissionDenied("you may not do this to providers")
         form = WorkerForm(request.POST)
         if form.is_valid():
             return _issued(request, form.cleaned_data)
@@ -167,16 +180,19 @@ def worker(request: HttpRequest) -> HttpResponse:
             initial={
                 "platform": choice[0],
                 "backend": choice[1],
-                "mode": "new",
+                "mode": "new" if "new" in allowed else "rotate",
                 "backend_url": recipe.backend_url,
                 "max_concurrent": recipe.max_concurrent,
             }
         )
     platform = form["platform"].value() or "linux"
+    may_rotate = "rotate" in allowed
     context = _context(
         3,
         form=form,
-        providers=list(Provider.objects.values_list("name", flat=True)),
+        may_create="new" in allowed,
+        may_rotate=may_rotate,
+        providers=list(Provider.objects.values_list("name", flat=True)) if may_rotate else [],
         platform_label=recipes.PLATFORMS.get(str(platform), ""),
         back_query=urlencode(
             {"platform": form["platform"].value(), "backend": form["backend"].value()}

@@ -51,6 +51,24 @@ async def _user(username: str, *, staff: bool):
     return await sync_to_async(User.objects.create_user)(username, "", "pw")
 
 
+async def _staff_with(*permissions: str) -> AsyncClient:
+    """A logged-in staff user (not a superuser) holding exactly ``permissions``."""
+    from django.contrib.auth.models import Permission, User
+
+    def make() -> User:
+        user = User.objects.create_user(f"staff-{len(permissions)}", "", "pw", is_staff=True)
+        for name in permissions:
+            app, codename = name.split(".")
+            user.user_permissions.add(
+                Permission.objects.get(content_type__app_label=app, codename=codename)
+            )
+        return user
+
+    client = AsyncClient()
+    await client.aforce_login(await sync_to_async(make)())
+    return client
+
+
 @pytest.fixture
 async def provider(fresh_runtime):
     return await make_provider()
@@ -385,6 +403,44 @@ async def test_rotating_the_env_configured_provider_warns_that_a_restart_undoes_
     settings.WORKER_SECRET = ""
     page = (await staff.post("/setup/worker", ROTATE_LOCAL)).content.decode()
     assert 'id="env-secret-warning"' not in page
+
+
+async def test_staff_without_provider_permissions_can_neither_create_nor_rotate(provider):
+    from workers_app.models import Provider
+
+    client = await _staff_with()
+    assert (await client.get("/setup/worker?platform=linux&backend=llama")).status_code == 403
+    assert (await client.post("/setup/worker", SETUP_POST)).status_code == 403
+    assert (await client.post("/setup/worker", ROTATE_LOCAL)).status_code == 403
+    assert not await Provider.objects.filter(name="lab-gpus").aexists()
+    assert (await Provider.objects.aget(name="local")).check_secret(SECRET)
+
+
+async def test_creating_needs_the_add_permission_and_rotating_the_change_permission(provider):
+    from workers_app.models import Provider
+
+    adder = await _staff_with("workers_app.add_provider")
+    form = (await adder.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert "You may not rotate provider secrets." in form
+    assert '<option value="local"' not in form
+    assert (await adder.post("/setup/worker", ROTATE_LOCAL)).status_code == 403
+    assert (await Provider.objects.aget(name="local")).check_secret(SECRET)
+    created = await adder.post("/setup/worker", SETUP_POST)
+    assert created.status_code == 200
+    assert (await Provider.objects.aget(name="lab-gpus")).check_secret(
+        secret_on(created.content.decode())
+    )
+
+    rotator = await _staff_with("workers_app.change_provider", "workers_app.view_provider")
+    form = (await rotator.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert "You may not create providers." in form
+    assert 'name="mode" value="rotate" checked' in form
+    assert (await rotator.post("/setup/worker", {**SETUP_POST, "name": "b"})).status_code == 403
+    assert not await Provider.objects.filter(name="b").aexists()
+    rotated = await rotator.post("/setup/worker", ROTATE_LOCAL)
+    assert rotated.status_code == 200
+    local = await Provider.objects.aget(name="local")
+    assert local.check_secret(secret_on(rotated.content.decode()))
 
 
 async def test_the_secret_form_refuses_bad_and_taken_names(staff):

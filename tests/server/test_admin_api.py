@@ -310,3 +310,43 @@ async def test_audit_admins_are_read_only(staff):
         assert response.status_code == 403
         listing = await staff.get(f"/django-admin/workers_app/{model}/")
         assert listing.status_code == 200
+
+
+PROVIDERS = "/django-admin/workers_app/provider/"
+
+
+async def run_provider_action(client, action: str, name: str = "local") -> str:
+    """Run a Django admin action on one provider; the page it lands on."""
+    from workers_app.models import Provider
+
+    provider = await Provider.objects.aget(name=name)
+    form = {"action": action, "_selected_action": str(provider.pk), "index": "0"}
+    response = await client.post(PROVIDERS, form, follow=True)
+    assert response.status_code == 200
+    return response.content.decode()
+
+
+async def test_staff_who_may_only_view_providers_cannot_rotate_enable_or_disable(admin):
+    from django.contrib.auth.models import Permission, User
+    from django.test import AsyncClient
+
+    from tests.asgikit import SECRET
+    from workers_app.models import Provider
+
+    def viewer() -> User:
+        user = User.objects.create_user("viewer", "", "pw", is_staff=True)
+        user.user_permissions.add(Permission.objects.get(codename="view_provider"))
+        return user
+
+    client = AsyncClient()
+    await client.aforce_login(await sync_to_async(viewer)())
+    listing = (await client.get(PROVIDERS)).content.decode()
+    assert "rotate_secret" not in listing and "disable" not in listing
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        for action in ("rotate_secret", "enable", "disable"):
+            page = await run_provider_action(client, action)
+            assert "user-select:all" not in page
+        local = await Provider.objects.aget(name="local")
+        assert local.check_secret(SECRET) and local.enabled
+        assert ack.worker_id in runtime.current().relay.registry.workers
