@@ -65,6 +65,57 @@ def bootstrap_default_provider(name: str, env_secret: str, data_dir: Path) -> Bo
         return Bootstrap(provider, created, None, "rotated in the admin")
 
 
+@dataclass(frozen=True)
+class Rotation:
+    provider: Provider
+    #: The new secret, in clear: show it once, never store it.
+    secret: str
+    #: Whether the provider's connected workers were told to disconnect.
+    disconnect: bool
+    #: How many were (this process's and those other processes list); None when they
+    #: are disconnected only once an enclosing transaction commits.
+    disconnected: int | None
+
+    def outcome(self) -> str:
+        """What happened to the workers already connected, in one sentence."""
+        from relay.server.runtime import SECRET_ROTATED
+
+        name = self.provider.name
+        if not self.disconnect:
+            return (
+                f"Workers already connected to '{name}' keep running; any other worker "
+                "needs the new secret to connect."
+            )
+        if self.disconnected is None:
+            return f"Workers connected to '{name}' are disconnected once this change is saved."
+        return (
+            f"Disconnected {self.disconnected} connected worker(s) of '{name}' (close 1008, "
+            f'"{SECRET_ROTATED}"); they need the new secret to reconnect.'
+        )
+
+
+def rotate_secret(provider: Provider, *, disconnect: bool = False) -> Rotation:
+    """Give ``provider`` a new worker secret; with ``disconnect``, evict its workers.
+
+    Workers already connected were let in with the old secret: without ``disconnect``
+    they keep running. With it, every worker of the provider on every server process is
+    closed with 1008 "provider secret rotated" — after the new secret is committed, so a
+    worker that reconnects at once is checked against the new one.
+    """
+    from relay.server import runtime
+
+    with transaction.atomic():
+        locked = Provider.objects.select_for_update().get(pk=provider.pk)
+        secret = locked.rotate_secret()
+        locked.save(update_fields=["secret_prefix", "secret_hash", "updated_at"])
+    disconnected: list[int] = []
+    if disconnect:
+        name = locked.name
+        # Runs at once outside a transaction, else when the enclosing one commits.
+        transaction.on_commit(lambda: disconnected.append(runtime.disconnect_provider(name)))
+    return Rotation(locked, secret, disconnect, disconnected[0] if disconnected else None)
+
+
 def close_stale_sessions(reason: str = "server restarted") -> int:
     """Mark sessions a previous server process never closed as disconnected."""
     return WorkerSession.objects.filter(disconnected_at__isnull=True).update(

@@ -3,7 +3,8 @@
 1. ``/setup``: platform and backend (public);
 2. ``/setup/backend``: how to start that backend (public);
 3. ``/setup/worker``: staff choose a new provider (needs the permission to add
-   providers) or rotate an existing one's secret (to change them); the secret is created
+   providers) or rotate an existing one's secret (to change them), optionally
+   disconnecting the workers already connected with the old one; the secret is created
    here, shown once (never stored in clear, page not cached) together with the worker's
    install-and-run command for the platform and a systemd env file;
 4. the same page follows ``/setup/status`` until a worker of that provider registers
@@ -32,6 +33,7 @@ from relay.pages import bundle, recipes
 from relay.pages.dashboard import forbidden, staff_user
 from relay.server import runtime
 from workers_app.models import Provider, split_models, validate_provider_name
+from workers_app.services import rotate_secret
 
 STEPS = ("Platform & backend", "Start the backend", "Run the worker", "Confirm")
 #: Creating a provider (mode "new") and rotating a secret (mode "rotate") need what the
@@ -109,6 +111,7 @@ class WorkerForm(forms.Form):
     provider = forms.ModelChoiceField(
         queryset=Provider.objects.all(), required=False, to_field_name="name"
     )
+    disconnect = forms.BooleanField(required=False)
     backend_url = forms.CharField(max_length=500)
     models = forms.CharField(required=False, max_length=2000)
     max_concurrent = forms.IntegerField(required=False, min_value=1, max_value=10_000)
@@ -141,18 +144,19 @@ class WorkerForm(forms.Form):
         return data
 
 
-def _issue_secret(data: dict[str, Any]) -> tuple[Provider, str]:
-    """Create the provider or rotate its secret; the clear secret is returned, never stored."""
-    with transaction.atomic():
-        if data["mode"] == "new":
+def _issue_secret(data: dict[str, Any]) -> tuple[Provider, str, str]:
+    """Create the provider or rotate its secret; the clear secret is returned, never stored.
+
+    Also returns what happened to workers already connected (rotation only).
+    """
+    if data["mode"] == "new":
+        with transaction.atomic():
             provider = Provider(name=data["name"])
             secret = provider.rotate_secret()
             provider.save()
-        else:
-            provider = Provider.objects.select_for_update().get(pk=data["provider"].pk)
-            secret = provider.rotate_secret()
-            provider.save(update_fields=["secret_prefix", "secret_hash", "updated_at"])
-    return provider, secret
+        return provider, secret, ""
+    rotation = rotate_secret(data["provider"], disconnect=bool(data.get("disconnect")))
+    return rotation.provider, rotation.secret, rotation.outcome()
 
 
 def _allowed_modes(request: HttpRequest) -> set[str]:
@@ -203,7 +207,7 @@ def worker(request: HttpRequest) -> HttpResponse:
 
 def _issued(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
     issued_at = time.time()
-    provider, secret = _issue_secret(data)
+    provider, secret, outcome = _issue_secret(data)
     setup = recipes.WorkerSetup(
         public_url=public_url(request),
         provider=provider.name,
@@ -218,6 +222,8 @@ def _issued(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
         3,
         provider=provider,
         rotated=data["mode"] == "rotate",
+        disconnected=bool(data.get("disconnect")) and data["mode"] == "rotate",
+        outcome=outcome,
         env_file=recipes.env_file(setup),
         # serve puts WORKER_SECRET back on its provider at every start.
         env_secret=bool(settings.WORKER_SECRET) and provider.name == settings.PROVIDER_NAME,

@@ -412,6 +412,8 @@ async def test_staff_without_provider_permissions_can_neither_create_nor_rotate(
     assert (await client.get("/setup/worker?platform=linux&backend=llama")).status_code == 403
     assert (await client.post("/setup/worker", SETUP_POST)).status_code == 403
     assert (await client.post("/setup/worker", ROTATE_LOCAL)).status_code == 403
+    disconnect = {**ROTATE_LOCAL, "disconnect": "on"}
+    assert (await client.post("/setup/worker", disconnect)).status_code == 403
     assert not await Provider.objects.filter(name="lab-gpus").aexists()
     assert (await Provider.objects.aget(name="local")).check_secret(SECRET)
 
@@ -441,6 +443,30 @@ async def test_creating_needs_the_add_permission_and_rotating_the_change_permiss
     assert rotated.status_code == 200
     local = await Provider.objects.aget(name="local")
     assert local.check_secret(secret_on(rotated.content.decode()))
+
+
+async def test_rotating_in_the_wizard_can_also_disconnect_the_connected_workers(staff):
+    async with FakeWorker() as kept:
+        ack = await kept.register(["m"])
+        page = (await staff.post("/setup/worker", ROTATE_LOCAL)).content.decode()
+        outcome = attribute(page, r'id="rotation-outcome">([^<]+)<')
+        assert "Workers already connected to 'local' keep running" in outcome
+        assert ack.worker_id in runtime.current().relay.registry.workers
+        assert kept.closed is None
+
+        # The old secret leaked: rotate again, and this time evict whoever used it.
+        page = (await staff.post("/setup/worker", {**ROTATE_LOCAL, "disconnect": "on"})).content
+        page = page.decode()
+        assert await kept.wait_closed() == (1008, "provider secret rotated")
+        assert ack.worker_id not in runtime.current().relay.registry.workers
+        assert "(secret rotated, connected workers disconnected)" in page
+        outcome = attribute(page, r'id="rotation-outcome">([^<]+)<')
+        assert "Disconnected 1 connected worker(s) of 'local'" in outcome
+    async with FakeWorker(secret=SECRET) as intruder:
+        await intruder.connect()
+        assert await intruder.wait_closed() == (1008, "invalid worker secret")
+    async with FakeWorker(secret=secret_on(page)) as worker:
+        assert (await worker.register(["m"])).models == ["m"]
 
 
 async def test_the_secret_form_refuses_bad_and_taken_names(staff):

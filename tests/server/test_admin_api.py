@@ -326,6 +326,29 @@ async def run_provider_action(client, action: str, name: str = "local") -> str:
     return response.content.decode()
 
 
+async def test_the_admin_rotates_a_secret_with_or_without_disconnecting_workers(staff):
+    from workers_app.models import Provider
+
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        page = await run_provider_action(staff, "rotate_secret")
+        first = page.split("user-select:all'>")[1].split("<")[0]
+        assert "Workers already connected to &#x27;local&#x27; keep running" in page
+        assert ack.worker_id in runtime.current().relay.registry.workers
+
+        page = await run_provider_action(staff, "rotate_secret_and_disconnect")
+        second = page.split("user-select:all'>")[1].split("<")[0]
+        assert await worker.wait_closed() == (1008, "provider secret rotated")
+        assert "Disconnected 1 connected worker(s) of &#x27;local&#x27;" in page
+    local = await Provider.objects.aget(name="local")
+    assert local.check_secret(second) and not local.check_secret(first)
+    async with FakeWorker(secret=first) as old:
+        await old.connect()
+        assert await old.wait_closed() == (1008, "invalid worker secret")
+    options = (await staff.get(PROVIDERS)).content.decode()
+    assert "Rotate worker secret and disconnect connected workers" in options
+
+
 async def test_staff_who_may_only_view_providers_cannot_rotate_enable_or_disable(admin):
     from django.contrib.auth.models import Permission, User
     from django.test import AsyncClient
@@ -344,7 +367,7 @@ async def test_staff_who_may_only_view_providers_cannot_rotate_enable_or_disable
     assert "rotate_secret" not in listing and "disable" not in listing
     async with FakeWorker() as worker:
         ack = await worker.register(["m"])
-        for action in ("rotate_secret", "enable", "disable"):
+        for action in ("rotate_secret", "rotate_secret_and_disconnect", "disable"):
             page = await run_provider_action(client, action)
             assert "user-select:all" not in page
         local = await Provider.objects.aget(name="local")
