@@ -213,6 +213,37 @@ async def test_staff_drain_and_refresh_workers_from_the_dashboard(staff):
     assert (await staff.get(f"{url}/drain")).status_code == 405
 
 
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        ('{"timeout_secs": Infinity}', "application/json"),
+        ('{"timeout_secs": NaN}', "application/json"),
+        ('{"timeout_secs": -1}', "application/json"),
+        ('{"timeout_secs": 1e300}', "application/json"),
+        ('{"timeout_secs": true}', "application/json"),
+        ("timeout_secs=inf", "application/x-www-form-urlencoded"),
+        ("timeout_secs=0", "application/x-www-form-urlencoded"),
+        ("timeout_secs=soon", "application/x-www-form-urlencoded"),
+    ],
+)
+async def test_a_dashboard_drain_with_a_bad_deadline_is_400_and_changes_nothing(
+    staff, body, content_type
+):
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        url = f"/dashboard/workers/{ack.worker_id}"
+        response = await staff.post(f"{url}/drain", body, content_type=content_type)
+        assert response.status_code == 400
+        assert "timeout_secs must be a finite number of seconds" in response.json()["detail"]
+        assert runtime.current().relay.registry.workers[ack.worker_id].draining is False
+        assert (await staff.post(f"{url}/refresh")).status_code == 200
+        assert await worker.expect(protocol.ModelsRefresh)  # nothing was sent before it
+        good = await staff.post(f"{url}/drain", {"timeout_secs": "90"})
+        assert good.status_code == 200
+        shutdown = await worker.expect(protocol.GracefulShutdown)
+        assert shutdown.drain_timeout_secs == 90
+
+
 async def test_dashboard_actions_need_the_csrf_token(provider):
     client = AsyncClient(enforce_csrf_checks=True)
     await client.aforce_login(await _user("root", staff=True))

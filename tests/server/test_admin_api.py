@@ -132,6 +132,41 @@ async def test_workers_listing_drain_and_refresh(admin):
         assert workers == []
 
 
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        b"Infinity",
+        b"-Infinity",
+        b"NaN",
+        b"1e999",
+        b"-5",
+        b"0",
+        b"86401",
+        b"1e300",
+        b"true",
+        b'"30"',
+    ],
+)
+async def test_a_drain_deadline_that_is_not_finite_and_within_a_day_is_400(admin, timeout):
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        body = b'{"timeout_secs": ' + timeout + b"}"
+        status, _, raw = await call("POST", f"/admin/workers/{ack.worker_id}/drain", body)
+        assert status == 400, raw
+        assert "timeout_secs" in json.loads(raw)["detail"]
+        # Refused before anything changed: the worker still takes work, and was told nothing.
+        assert runtime.current().relay.registry.workers[ack.worker_id].draining is False
+        status, _, body = await call("POST", f"/admin/workers/{ack.worker_id}/refresh")
+        assert status == 202
+        assert await worker.expect(protocol.ModelsRefresh)  # the next frame, no shutdown first
+        status, _, raw = await call(
+            "POST", f"/admin/workers/{ack.worker_id}/drain", b'{"timeout_secs": 86400}'
+        )
+        assert status == 202
+        shutdown = await worker.expect(protocol.GracefulShutdown)
+        assert shutdown.drain_timeout_secs == 86400
+
+
 async def test_acting_on_an_unknown_worker_is_404(admin):
     status, _, body = await call("POST", "/admin/workers/w-nope/drain")
     assert status == 404 and "w-nope" in json.loads(body)["detail"]
