@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,6 +128,36 @@ def prune_sessions(days: int) -> int:
     cutoff = timezone.now() - dt.timedelta(days=days)
     deleted, _ = WorkerSession.objects.filter(disconnected_at__lt=cutoff).delete()
     return deleted
+
+
+#: What ``serve`` keeps private in DATA_DIR besides the database: the generated secrets.
+SECRET_FILES = ("secret_key", "pepper", "worker_secret")
+#: SQLite's companions of a database file, which hold recent writes (sessions too).
+SQLITE_SUFFIXES = ("", "-wal", "-shm", "-journal")
+
+
+def make_private(data_dir: Path, sqlite_database: Path | None) -> list[Path]:
+    """Take group and other permissions away from DATA_DIR (0700), the generated secrets
+    and the SQLite database with its -wal/-shm/-journal files (0600).
+
+    Called by ``serve`` at start, for files made before it ran (by an older version, or
+    a command run under a looser umask); it never widens a mode. Returns what changed.
+    """
+    targets = [(data_dir, 0o700), *((data_dir / name, 0o600) for name in SECRET_FILES)]
+    if sqlite_database is not None:
+        targets += [(Path(f"{sqlite_database}{suffix}"), 0o600) for suffix in SQLITE_SUFFIXES]
+    changed = []
+    for path, allowed in targets:
+        try:
+            mode = path.stat().st_mode & 0o7777
+            if mode & ~allowed:
+                os.chmod(path, mode & allowed)
+                changed.append(path)
+        except FileNotFoundError:
+            continue
+        except PermissionError as exc:
+            logger.warning("could not make %s private: %s", path, exc)
+    return changed
 
 
 class PepperMismatch(Exception):

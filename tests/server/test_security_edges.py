@@ -1,5 +1,6 @@
 """Security edges against live servers: evicting workers by rotating their provider's secret
-(in one process and across processes sharing Redis).
+(in one process and across processes sharing Redis), and who may read the files
+``manage.py serve`` keeps in DATA_DIR.
 """
 
 from __future__ import annotations
@@ -7,9 +8,12 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import sqlite3
+import stat
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
+from pathlib import Path
 
 import httpx
 import pytest
@@ -151,3 +155,43 @@ async def test_rotate_and_disconnect_reaches_a_worker_on_another_process(relay_s
     with relay_server_factory(**common) as a:  # noqa: SIM117 (b needs a's database)
         with relay_server_factory(**common, DATABASE_URL=a.env["DATABASE_URL"]) as b:
             await rotate_then_rotate_and_disconnect(a, b)
+
+
+# --------------------------------------------------------------------------- C: file modes
+
+
+def modes(directory: Path) -> dict[str, int]:
+    """Permission bits of ``directory`` ('.') and of every file in it."""
+    found = {".": stat.S_IMODE(directory.stat().st_mode)}
+    for path in directory.iterdir():
+        found[path.name] = stat.S_IMODE(path.stat().st_mode)
+    return found
+
+
+def test_serve_keeps_data_dir_and_the_sqlite_database_private(relay_server_factory, tmp_path):
+    # As `make run` has it: no DATABASE_URL, so SQLite in a DATA_DIR that does not exist yet.
+    data_dir = tmp_path / "run" / "var"
+    env = {"DATA_DIR": str(data_dir), "DATABASE_URL": "", "WORKER_SECRET": ""}
+    with relay_server_factory(**env):
+        fresh = modes(data_dir)
+    assert fresh["."] == 0o700, fresh
+    assert {"db.sqlite3", "secret_key", "pepper", "worker_secret"} <= fresh.keys()
+    assert {name: mode for name, mode in fresh.items() if name != "."} == {
+        name: 0o600 for name in fresh if name != "."
+    }
+
+    # An installation from before: everything world-readable, and a writer holding the
+    # database open in WAL mode so that its -wal and -shm files exist too.
+    data_dir.chmod(0o755)
+    for path in data_dir.iterdir():
+        path.chmod(0o644)
+    with closing(sqlite3.connect(data_dir / "db.sqlite3")) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE IF NOT EXISTS probe (x)")
+        db.execute("INSERT INTO probe VALUES (1)")
+        db.commit()
+        before = modes(data_dir)
+        assert before["db.sqlite3-wal"] == before["db.sqlite3-shm"] == 0o644
+        with relay_server_factory(**env):
+            after = modes(data_dir)
+    assert after == {name: 0o700 if name == "." else 0o600 for name in before}, after

@@ -9,7 +9,9 @@ SIGTERM is graceful either way (see :mod:`modelrelay_site.servers`).
 import daphne.server  # noqa: F401  isort:skip
 
 import logging
+import os
 import socket
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -24,6 +26,7 @@ from workers_app.services import (
     bootstrap_default_provider,
     check_pepper,
     close_stale_sessions,
+    make_private,
     prune_sessions,
 )
 
@@ -35,6 +38,13 @@ def parse_listen(value: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise CommandError(f"LISTEN_ADDR must look like host:port, got {value!r}")
     return host.strip("[]"), int(port)
+
+
+def sqlite_database() -> Path | None:
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] != "django.db.backends.sqlite3" or str(database["NAME"]) == ":memory:":
+        return None
+    return Path(database["NAME"])
 
 
 def worker_command(public_url: str, provider: str, secret: str) -> str:
@@ -59,6 +69,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         host, port = parse_listen(options["listen"] or settings.LISTEN_ADDR)
+        # Whatever this process creates (the SQLite database and its journals, generated
+        # secrets) is for its own user only: the database holds the admin's session ids.
+        os.umask(0o077)
+        for path in make_private(settings.DATA_DIR, sqlite_database()):
+            logger.info("made %s private to this user", path)
         if not options["no_migrate"]:
             call_command("migrate", interactive=False, verbosity=0)
         try:
