@@ -36,10 +36,12 @@ def provider_policy(provider: Provider, config: RelayConfig) -> ProviderPolicy:
 class Bootstrap:
     provider: Provider
     created: bool
-    #: The secret to show the operator, or None when it cannot be known (rotated
-    #: in the admin since the persisted one was generated).
+    #: The provider's secret, or None when it cannot be known (rotated in the admin
+    #: since the persisted one was generated).
     secret: str | None
     source: str
+    #: Whether ``secret`` was generated just now (the one start that may show it whole).
+    generated: bool = False
 
 
 def bootstrap_default_provider(name: str, env_secret: str, data_dir: Path) -> Bootstrap:
@@ -51,18 +53,21 @@ def bootstrap_default_provider(name: str, env_secret: str, data_dir: Path) -> Bo
     """
     with transaction.atomic():
         provider, created = Provider.objects.select_for_update().get_or_create(name=name)
+        generated = False
         if env_secret:
             secret, source = env_secret, "WORKER_SECRET"
         else:
-            secret = persisted_secret(data_dir / "worker_secret", prefix="mrw_")
-            source = str(data_dir / "worker_secret")
+            path = data_dir / "worker_secret"
+            generated = not path.exists()
+            secret = persisted_secret(path, prefix="mrw_")
+            source = str(path)
         if created or not provider.secret_hash or env_secret:
             if not provider.check_secret(secret):
                 provider.set_secret(secret)
                 provider.save()
-            return Bootstrap(provider, created, secret, source)
+            return Bootstrap(provider, created, secret, source, generated)
         if provider.check_secret(secret):
-            return Bootstrap(provider, created, secret, source)
+            return Bootstrap(provider, created, secret, source, generated)
         return Bootstrap(provider, created, None, "rotated in the admin")
 
 

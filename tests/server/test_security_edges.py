@@ -1,6 +1,6 @@
 """Security edges against live servers: evicting workers by rotating their provider's secret
-(in one process and across processes sharing Redis), and who may read the files
-``manage.py serve`` keeps in DATA_DIR.
+(in one process and across processes sharing Redis), who may read the files
+``manage.py serve`` keeps in DATA_DIR, and that no secret reaches the server's log.
 """
 
 from __future__ import annotations
@@ -14,14 +14,17 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, closing
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import websockets
 
 from relay.wire import protocol
+from tests import live
 from tests.conftest import require_service
 from tests.live import ROOT, LiveServer
-from tests.rawworker import closed, connect, register
+from tests.rawworker import closed, connect, expect, register
 
 pytestmark = pytest.mark.live
 
@@ -195,3 +198,124 @@ def test_serve_keeps_data_dir_and_the_sqlite_database_private(relay_server_facto
         with relay_server_factory(**env):
             after = modes(data_dir)
     assert after == {name: 0o700 if name == "." else 0o600 for name in before}, after
+
+
+# --------------------------------------------------------------------------- D: secrets in logs
+
+
+def secret(kind: str) -> str:
+    return f"{kind}_{secrets.token_urlsafe(24)}"
+
+
+async def raw_worker(server: LiveServer, secret: str, *, via_query: bool) -> Any:
+    query = "provider=local" + (f"&worker_secret={secret}" if via_query else "")
+    headers = {} if via_query else {"X-Worker-Secret": secret}
+    return await websockets.connect(
+        f"{server.ws_url}?{query}", additional_headers=headers, max_size=None
+    )
+
+
+async def answer_one(ws: Any) -> None:
+    request = await expect(ws, protocol.Request, timeout=10)
+    done = protocol.ResponseComplete(
+        request_id=request.request_id,
+        status_code=200,
+        headers={"content-type": "application/json"},
+        body='{"ok": true}',
+    )
+    await ws.send(protocol.encode(done))
+
+
+def test_the_banner_shows_a_generated_worker_secret_only_on_the_start_that_made_it(
+    relay_server_factory, tmp_path
+):
+    data_dir = tmp_path / "var"
+    with relay_server_factory(DATA_DIR=str(data_dir), WORKER_SECRET="") as server:
+        generated = (data_dir / "worker_secret").read_text().strip()
+        first = server.log()
+        server.restart()
+        second = server.log()[len(first) :]
+    assert f"WORKER_SECRET={generated} python worker.py --proxy-url" in first
+    assert "generated now and kept in" in first
+    assert "WORKER_SECRET=<worker secret> python worker.py --proxy-url" in second
+    assert f"the worker secret {generated[:12]}… is kept in {data_dir / 'worker_secret'}" in (
+        second
+    )
+    assert generated not in second
+
+
+@pytest.mark.parametrize("asgi_server", ["daphne", "uvicorn"])
+async def test_no_worker_secret_or_api_key_reaches_the_server_log(
+    relay_server_factory, monkeypatch, asgi_server
+):
+    monkeypatch.setattr(live, "SERVER", asgi_server)
+    worker_secret, admin_token = secret("mrw"), secret("adm")
+    wrong_header, wrong_query = secret("mrw"), secret("mrw")
+    env = {
+        "LOG_LEVEL": "debug",  # no level may carry a secret
+        "WORKER_SECRET": worker_secret,
+        "MODELRELAY_ADMIN_TOKEN": admin_token,
+        "MODELRELAY_REQUIRE_API_KEYS": "true",
+        "AUTH_MAX_FAILURES": "100",
+    }
+    with relay_server_factory(**env) as server:
+        admin = {"Authorization": f"Bearer {admin_token}"}
+        async with httpx.AsyncClient(base_url=server.url, timeout=20) as client:
+            key = (await client.post("/admin/keys", json={"name": "a"}, headers=admin)).json()
+            revoked = (await client.post("/admin/keys", json={"name": "b"}, headers=admin)).json()
+            gone = await client.delete(f"/admin/keys/{revoked['id']}", headers=admin)
+            assert gone.status_code == 204
+            used = [worker_secret, admin_token, key["secret"], revoked["secret"]]
+
+            # Workers: the secret in the header, and once in the query-string fallback.
+            async with (
+                await raw_worker(server, worker_secret, via_query=False) as by_header,
+                await raw_worker(server, worker_secret, via_query=True) as by_query,
+            ):
+                assert (await register(by_header, models=["m"])).models == ["m"]
+                assert (await register(by_query, models=["q"])).models == ["q"]
+                for wrong, via_query in ((wrong_header, False), (wrong_query, True)):
+                    used.append(wrong)
+                    async with await raw_worker(server, wrong, via_query=via_query) as ws:
+                        assert await closed(ws) == (1008, "invalid worker secret")
+
+                # Inference with valid, revoked and made-up keys, both header styles.
+                chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                answering = asyncio.ensure_future(answer_one(by_header))
+                valid = {"Authorization": f"Bearer {key['secret']}"}
+                response = await client.post("/v1/chat/completions", json=chat, headers=valid)
+                assert response.status_code == 200, response.text
+                await answering
+                answering = asyncio.ensure_future(answer_one(by_query))
+                anthropic = {"x-api-key": key["secret"], "anthropic-version": "2023-06-01"}
+                message = {**chat, "model": "q", "max_tokens": 5}
+                response = await client.post("/v1/messages", json=message, headers=anthropic)
+                assert response.status_code == 200, response.text
+                await answering
+                assert (await client.get("/v1/models", headers=valid)).status_code == 200
+                made_up = [secret("mrk"), "sk-" + secrets.token_hex(20)]
+                used += made_up
+                for bad in [revoked["secret"], *made_up]:
+                    for path, headers, body in (
+                        ("/v1/chat/completions", {"Authorization": f"Bearer {bad}"}, chat),
+                        ("/v1/messages", {"x-api-key": bad}, message),
+                    ):
+                        response = await client.post(path, json=body, headers=headers)
+                        assert response.status_code == 401, response.text
+                    models = await client.get("/v1/models", headers={"Authorization": bad})
+                    assert models.status_code == 401
+        server.stop()  # every line written, shutdown included
+        output = server.log()
+
+    assert "worker registered" in output  # the log is the debug-level one
+    # Nothing past the 12-character lookup prefix (which the admin shows) may appear:
+    # neither what follows it nor the end, so a truncated copy is caught too.
+    leaks = {
+        credential: [
+            line
+            for line in output.splitlines()
+            if credential[12:24] in line or credential[-12:] in line
+        ]
+        for credential in used
+    }
+    assert {c: lines for c, lines in leaks.items() if lines} == {}, output
