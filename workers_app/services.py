@@ -94,6 +94,8 @@ class Rotation:
             )
         if self.disconnected is None:
             return f"Workers connected to '{name}' are disconnected once this change is saved."
+        if self.disconnected == 0:
+            return f"No worker of '{name}' was connected; any worker needs the new secret."
         return (
             f"Disconnected {self.disconnected} connected worker(s) of '{name}' (close 1008, "
             f'"{SECRET_ROTATED}"); they need the new secret to reconnect.'

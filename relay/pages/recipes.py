@@ -282,8 +282,7 @@ def worker_command(platform: str, setup: WorkerSetup, requirements: list[str]) -
     pairs = [f"{q(args[i])} {q(args[i + 1])}" for i in range(0, len(args), 2)]
     if shell == "sh":  # one flag per line: long URLs stay readable
         # The secret only in the worker's environment, for this one command.
-        start = f"WORKER_SECRET={q(setup.secret)} {python} worker.pyz"
-        run = " \\\n  ".join([start, *pairs])
+        run = " \\\n  ".join([f"WORKER_SECRET={q(setup.secret)}", f"{python} worker.pyz", *pairs])
     else:  # PowerShell's backtick continuation breaks on a trailing space: one line
         # An assignment takes an expression: the value is always quoted there.
         secret = "'" + setup.secret.replace("'", "''") + "'"

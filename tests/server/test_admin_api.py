@@ -382,6 +382,8 @@ async def test_the_admin_rotates_a_secret_with_or_without_disconnecting_workers(
         assert await old.wait_closed() == (1008, "invalid worker secret")
     options = (await staff.get(PROVIDERS)).content.decode()
     assert "Rotate worker secret and disconnect connected workers" in options
+    page = await run_provider_action(staff, "rotate_secret_and_disconnect")
+    assert "No worker of &#x27;local&#x27; was connected" in page
 
 
 async def test_staff_who_may_only_view_providers_cannot_rotate_enable_or_disable(admin):
