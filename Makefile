@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench browser nginx clean
+.PHONY: run test lint bench browser nginx caddy wrk clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,23 +22,33 @@ run: $(VENV)/.runtime
 browser:
 	@command -v chromium >/dev/null 2>&1 || scripts/install-chromium.sh
 
-# The deployment tests run Debian's nginx in front of a live relay; install it when missing.
+# The deployment tests run Debian's nginx and Caddy in front of a live relay (and make bench
+# runs nginx); install them when missing. Without root the tests skip, except in CI.
 nginx:
-	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || scripts/install-nginx.sh
+	@scripts/install-deb.sh nginx nginx "the nginx tests will be skipped"
+
+caddy:
+	@scripts/install-deb.sh caddy caddy "the Caddy tests will be skipped"
+
+# make bench drives its throughput scenario with Debian's wrk.
+wrk:
+	@scripts/install-deb.sh wrk wrk "make bench cannot run without it"
 
 # The ORM and end-to-end tests run a second time against PostgreSQL (127.0.0.1:5432,
 # database "test"); without a reachable server that pass is skipped, except in CI.
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tests/test_keys.py \
 	tests/server/test_admin_api.py tests/test_commands.py tests/server/test_live_relay.py \
-	tests/server/test_cluster.py tests/test_e2e.py tests/pages/test_pages.py
+	tests/server/test_cluster.py tests/test_e2e.py tests/pages/test_pages.py \
+	tests/server/test_failures.py tests/server/test_security.py \
+	tests/server/test_security_edges.py tests/server/test_worker_trust.py
 
 # The live tests run once more under the alternative server, manage.py serve --server uvicorn.
 UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures.py \
-	tests/server/test_live_security.py tests/test_e2e.py \
+	tests/server/test_live_security.py tests/server/test_security_edges.py tests/test_e2e.py \
 	tests/test_live_smoke.py
 
-test: $(VENV)/.dev browser nginx
+test: $(VENV)/.dev browser nginx caddy
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)
 	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_DATABASE=postgres DATABASE_URL=$(PG_URL) \
 		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(PG_TESTS)
@@ -50,7 +60,7 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check .
 	DATA_DIR=$(CURDIR)/.test-data $(VENV)/bin/mypy .
 
-bench: $(VENV)/.dev
+bench: $(VENV)/.dev nginx wrk
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 clean:

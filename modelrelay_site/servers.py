@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote_plus
 
 from django.conf import settings
 
@@ -23,6 +25,47 @@ from relay.server import runtime
 logger = logging.getLogger("relay.serve")
 
 OnReady = Callable[[str, int], None]
+
+#: Query parameters that carry credentials: the worker secret's fallback and the token
+#: older nodes send. Their values never reach a log line.
+SECRET_PARAMETERS = frozenset({"worker_secret", "token", "api_key", "key"})
+_PARAMETER = re.compile(r"([?&])([^=&#\s\"']*)=([^&#\s\"']*)")
+#: Headers that carry credentials, as a protocol library's debug lines show them.
+_HEADER = re.compile(
+    r"(?i)\b(authorization|proxy-authorization|x-api-key|x-worker-secret|cookie|set-cookie)"
+    r"(\s*:\s*)[^\r\n]+"
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with the values of credential-carrying query parameters and headers masked."""
+
+    def parameter(match: re.Match[str]) -> str:
+        if unquote_plus(match.group(2)).lower() in SECRET_PARAMETERS:
+            return f"{match.group(1)}{match.group(2)}=[redacted]"
+        return match.group(0)
+
+    return _HEADER.sub(r"\1\2[redacted]", _PARAMETER.sub(parameter, text))
+
+
+class RedactSecrets(logging.Filter):
+    """Masks credentials in what uvicorn logs.
+
+    uvicorn logs every WebSocket handshake at INFO with its path *and* query string (a
+    worker using the ``worker_secret=`` fallback would leave its secret there), and at
+    DEBUG the websockets library logs each handshake header (``X-Worker-Secret``) through
+    uvicorn's logger.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: leave it to the handler's own reporting
+            return True
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, None
+        return True
 
 
 class Serving:
@@ -111,6 +154,9 @@ class UvicornServing(Serving):
         from modelrelay_site import uvicorn_compat
 
         uvicorn_compat.install()
+        masking = RedactSecrets()
+        for name in ("uvicorn.error", "uvicorn.access"):
+            logging.getLogger(name).addFilter(masking)
 
         class Server(uvicorn.Server):
             @contextlib.contextmanager

@@ -22,13 +22,21 @@ from modelrelay_site.env import (
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / "var"))).resolve()
 
+
+def private_data_dir() -> Path:
+    """DATA_DIR, created owner-only (0700) when missing: it holds the generated secrets
+    and the SQLite database, whose sessions would let any local user into the admin."""
+    DATA_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return DATA_DIR
+
+
 MIB = 1024 * 1024
 
 # --- Django core -------------------------------------------------------------
 
 DEBUG = env_bool("DEBUG", False)
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "") or persisted_secret(
-    DATA_DIR / "secret_key", nbytes=48
+    private_data_dir() / "secret_key", nbytes=48
 )
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
@@ -94,7 +102,7 @@ TEMPLATES = [
 # so connections are never kept; PostgreSQL gets psycopg's pool instead.
 DATABASES = {
     "default": dj_database_url.parse(
-        env_str("DATABASE_URL", f"sqlite:///{DATA_DIR / 'db.sqlite3'}"),
+        env_str("DATABASE_URL", "") or f"sqlite:///{private_data_dir() / 'db.sqlite3'}",
         conn_max_age=0,
     )
 }
@@ -159,7 +167,9 @@ if ASGI_SERVER not in {"daphne", "uvicorn"}:
 PUBLIC_URL = env_str("PUBLIC_URL", "")
 PROVIDER_NAME = env_str("PROVIDER_NAME", "local")
 WORKER_SECRET = env_str("WORKER_SECRET", "")
-SECRET_PEPPER = env_str("MODELRELAY_SECRET_PEPPER", "") or persisted_secret(DATA_DIR / "pepper")
+SECRET_PEPPER = env_str("MODELRELAY_SECRET_PEPPER", "") or persisted_secret(
+    private_data_dir() / "pepper"
+)
 
 MAX_QUEUE_LEN = env_int("MAX_QUEUE_LEN", 100)
 QUEUE_TIMEOUT_SECS = env_float("QUEUE_TIMEOUT_SECS", 30.0)

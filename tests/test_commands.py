@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 from io import StringIO
 
@@ -47,6 +48,17 @@ def test_api_keys_are_created_and_revoked_once():
         run("revoke_api_key", key.prefix)
     with pytest.raises(CommandError, match="no API key"):
         run("revoke_api_key", "424242")
+
+
+@pytest.mark.parametrize("timeout", ["inf", "-inf", "nan", "-1", "0", "86401", "1e300"])
+def test_drain_refuses_a_deadline_that_is_not_finite_and_within_a_day(timeout):
+    # Checked before the server is contacted at all: nothing listens on this port, so a
+    # command that got as far as the admin API would fail with "cannot reach" instead.
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{unused.getsockname()[1]}"
+    with pytest.raises(CommandError, match="--timeout must be a finite number of seconds"):
+        run("drain", "--all", f"--timeout={timeout}", "--server", url, "--token", "t")
 
 
 async def manage(server, *args: str, token: str | None = "ops-token") -> tuple[int, str]:

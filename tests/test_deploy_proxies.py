@@ -1,8 +1,10 @@
 """The shipped reverse-proxy configs, live: a real nginx rendered from ``deploy/nginx.conf``
 (plain HTTP on a free loopback port, upstream = a live ``manage.py serve``) carries a
 worker's WebSocket, streams SSE without buffering, propagates a client hang-up and passes
-the client address on. The same runs through Caddy with ``deploy/Caddyfile`` where caddy
-is installed (optional: skipped otherwise, also in CI; nginx is required there).
+the client address on, and lets only the worker route switch protocols. The same runs
+through Caddy with ``deploy/Caddyfile``. Both proxies are Debian packages that
+``make test`` installs (``scripts/install-deb.sh``); without them these tests skip on a
+developer machine and fail under CI=true.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import pytest
@@ -43,11 +45,16 @@ def nginx_binary() -> str:
     """nginx from PATH or Debian's /usr/sbin; skip locally, fail in CI when it is missing."""
     found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
     if found is None:
-        reason = "nginx is not installed (bash scripts/install-nginx.sh installs Debian's)"
-        if IN_CI:
-            pytest.fail(reason + "; CI requires it", pytrace=False)
-        pytest.skip(reason)
+        missing("nginx")
     return found
+
+
+def missing(package: str) -> NoReturn:
+    """Skip on a developer machine, fail in CI, when a proxy package is not installed."""
+    reason = f"{package} is not installed (bash scripts/install-deb.sh {package} installs Debian's)"
+    if IN_CI:
+        pytest.fail(reason + "; CI requires it", pytrace=False)
+    pytest.skip(reason)
 
 
 def _replace_directive(text: str, old: str, new: str) -> str:
@@ -120,10 +127,10 @@ def free_port() -> int:
 
 
 def caddy_binary() -> str:
-    """Caddy is optional (the nginx config is the one CI insists on): skip without it."""
-    found = shutil.which("caddy")
+    """caddy from PATH; skip locally, fail in CI when it is missing."""
+    found = shutil.which("caddy") or shutil.which("caddy", path="/usr/bin:/usr/local/bin")
     if found is None:
-        pytest.skip("caddy is not installed (apt-get install caddy) to check deploy/Caddyfile")
+        missing("caddy")
     return found
 
 
@@ -302,3 +309,188 @@ async def test_behind_the_proxy_failed_worker_logins_count_against_the_real_clie
     async with connect_via(address, server.secret, source="127.0.0.3") as ws:
         await register(ws)
     server.wait_for_log("worker auth failed: peer=127.0.0.2 ")
+
+
+# --------------------------------------------------------------------------- protocol switches
+
+#: What a hostile backend sends after its ``101``: in a tunnel it would reach the client raw.
+TUNNEL = b"TUNNEL-FROM-BEHIND-THE-PROXY"
+SWITCH = (
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    + TUNNEL
+)
+
+
+class SwitchingUpstream:
+    """A raw upstream that records each request head and answers it with ``101`` + bytes."""
+
+    def __init__(self) -> None:
+        self.heads: list[str] = []
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> SwitchingUpstream:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            self.heads.append(head.decode("latin-1"))
+            writer.write(SWITCH)
+            await writer.drain()
+            await reader.read()  # hold the connection until the proxy lets go
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def header_values(head: str, name: str) -> list[str]:
+    """Every value of header ``name`` in a raw request or response head."""
+    prefix = name.lower() + ":"
+    return [
+        line.split(":", 1)[1].strip().lower()
+        for line in head.split("\r\n")[1:]
+        if line.lower().startswith(prefix)
+    ]
+
+
+async def raw_exchange(address: str, request: bytes, timeout: float = 5.0) -> tuple[str, bytes]:
+    """Send raw bytes to the proxy; return the response head and its Content-Length body.
+
+    A raw socket, because HTTP clients refuse to send an Upgrade on a POST or to treat
+    what follows a 101 as anything but a protocol they speak.
+    """
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        async with asyncio.timeout(timeout):
+            writer.write(request)
+            await writer.drain()
+            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+            if head.startswith("HTTP/1.1 101"):
+                # A switched connection: whatever comes next is tunnelled; read what is there.
+                return head, await reader.read(len(TUNNEL))
+            if "chunked" in header_values(head, "transfer-encoding"):
+                return head, await read_chunked(reader)
+            lengths = header_values(head, "content-length")
+            body = await reader.readexactly(int(lengths[0])) if lengths else b""
+            return head, body
+    finally:
+        writer.close()
+
+
+async def read_chunked(reader: asyncio.StreamReader) -> bytes:
+    body = b""
+    while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+        body += await reader.readexactly(size)
+        await reader.readexactly(2)
+    await reader.readuntil(b"\r\n")
+    return body
+
+
+def upgrade_request(method: str, path: str, port: int, upgrade: str = "websocket") -> bytes:
+    body = b'{"model":"m"}' if method == "POST" else b""
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Upgrade: {upgrade}\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: AAAAAAAAAAAAAAAAAAAAAA==\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+@pytest.fixture(params=["nginx", "caddy"])
+async def proxy_to_switching_upstream(request, tmp_path) -> AsyncIterator[tuple[str, Any]]:
+    """nginx/Caddy from deploy/ in front of a backend that answers everything with 101."""
+    kind: str = request.param
+    binary = nginx_binary() if kind == "nginx" else caddy_binary()
+    async with SwitchingUpstream() as upstream:
+        with running_proxy(kind, binary, tmp_path / kind, upstream.port) as address:
+            yield address, upstream
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/responses"),
+        ("GET", "/health"),
+        ("GET", "/v1/worker/connect/"),
+        ("GET", "/v1/worker/connectx"),
+    ],
+)
+async def test_no_route_but_the_worker_socket_can_switch_protocols_through_the_proxy(
+    proxy_to_switching_upstream, method, path
+):
+    address, upstream = proxy_to_switching_upstream
+    port = int(address.rsplit(":", 1)[1])
+    head, body = await raw_exchange(address, upgrade_request(method, path, port))
+    # The client asked for an upgrade and the backend said yes: a proxy that still tunnels
+    # here has handed a raw socket to whatever answers on an API route.
+    assert not head.startswith("HTTP/1.1 101"), head
+    assert TUNNEL not in body
+    # Whatever reached the relay carried no Upgrade and no `Connection: upgrade`.
+    for seen in upstream.heads:
+        assert header_values(seen, "upgrade") == [], seen
+        assert not any("upgrade" in v for v in header_values(seen, "connection")), seen
+
+
+async def test_the_worker_route_still_switches_protocols_through_the_proxy(
+    proxy_to_switching_upstream,
+):
+    address, upstream = proxy_to_switching_upstream
+    port = int(address.rsplit(":", 1)[1])
+    request = upgrade_request("GET", "/v1/worker/connect?provider=local", port)
+    head, tunnelled = await raw_exchange(address, request)
+    assert head.startswith("HTTP/1.1 101"), head
+    assert tunnelled == TUNNEL
+    (seen,) = upstream.heads
+    assert header_values(seen, "upgrade") == ["websocket"]
+    assert header_values(seen, "connection") == ["upgrade"]
+
+
+@pytest.mark.live
+async def test_a_worker_answering_101_gets_no_tunnel_to_the_client_through_the_proxy(proxied):
+    # The attack end to end: a client sends an inference POST that asks for an upgrade to a
+    # protocol the server does not handle itself (so it stays an HTTP request), and the
+    # worker it is routed to answers 101. Whatever the relay does with that status, the
+    # proxy must not switch the client's connection to a raw tunnel.
+    server, address = proxied
+    port = int(address.rsplit(":", 1)[1])
+    async with connect_via(address, server.secret) as ws:
+        await register(ws)
+
+        async def answer_with_a_switch() -> None:
+            request = await expect(ws, protocol.Request)
+            assert "upgrade" not in {name.lower() for name in request.headers}
+            switch = protocol.ResponseComplete(
+                request_id=request.request_id,
+                status_code=101,
+                headers={"upgrade": "tunnel", "connection": "upgrade"},
+                body=TUNNEL.decode(),
+            )
+            await ws.send(protocol.encode(switch))
+
+        worker = asyncio.ensure_future(answer_with_a_switch())
+        try:
+            head, body = await raw_exchange(
+                address,
+                upgrade_request("POST", "/v1/chat/completions", port, upgrade="tunnel"),
+                timeout=10,
+            )
+        finally:
+            worker.cancel()
+            try:
+                await worker
+            except asyncio.CancelledError:
+                pass
+        assert not head.startswith("HTTP/1.1 101"), head
+        assert TUNNEL not in body

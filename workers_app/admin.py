@@ -12,6 +12,7 @@ from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
 from relay.server import runtime
+from workers_app import services
 from workers_app.models import ConnectedWorker, Provider, RequestLog, WorkerSession
 
 
@@ -53,7 +54,7 @@ class ProviderAdmin(admin.ModelAdmin):
     list_filter = ("enabled",)
     search_fields = ("name", "description")
     readonly_fields = ("secret_prefix", "created_at", "updated_at")
-    actions = ("rotate_secret", "enable", "disable")
+    actions = ("rotate_secret", "rotate_secret_and_disconnect", "enable", "disable")
     fieldsets = (
         (None, {"fields": ("name", "enabled", "description", "secret_prefix")}),
         ("Models", {"fields": ("declared_models", "exclusive_models")}),
@@ -77,21 +78,40 @@ class ProviderAdmin(admin.ModelAdmin):
         if secret is not None:
             _show_secret_once(request, obj, secret)
 
-    @admin.action(description="Rotate worker secret (connected workers keep running)")
-    def rotate_secret(self, request: HttpRequest, queryset: QuerySet[Provider]) -> None:
+    def _rotate(
+        self, request: HttpRequest, queryset: QuerySet[Provider], *, disconnect: bool
+    ) -> None:
         for provider in queryset:
-            secret = provider.rotate_secret()
-            provider.save(update_fields=["secret_prefix", "secret_hash", "updated_at"])
-            _show_secret_once(request, provider, secret)
+            rotation = services.rotate_secret(provider, disconnect=disconnect)
+            _show_secret_once(request, rotation.provider, rotation.secret)
+            messages.info(request, rotation.outcome())
 
-    @admin.action(description="Enable selected providers")
+    # Actions run for anyone who may see the list: each names the permission it needs.
+    @admin.action(
+        description="Rotate worker secret (connected workers keep running)",
+        permissions=["change"],
+    )
+    def rotate_secret(self, request: HttpRequest, queryset: QuerySet[Provider]) -> None:
+        self._rotate(request, queryset, disconnect=False)
+
+    @admin.action(
+        description="Rotate worker secret and disconnect connected workers",
+        permissions=["change"],
+    )
+    def rotate_secret_and_disconnect(
+        self, request: HttpRequest, queryset: QuerySet[Provider]
+    ) -> None:
+        self._rotate(request, queryset, disconnect=True)
+
+    @admin.action(description="Enable selected providers", permissions=["change"])
     def enable(self, request: HttpRequest, queryset: QuerySet[Provider]) -> None:
         for provider in queryset:
             provider.enabled = True
             provider.save(update_fields=["enabled", "updated_at"])
 
     @admin.action(
-        description="Disable selected providers (fails their queues, closes their workers)"
+        description="Disable selected providers (fails their queues, closes their workers)",
+        permissions=["change"],
     )
     def disable(self, request: HttpRequest, queryset: QuerySet[Provider]) -> None:
         for provider in queryset:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +37,12 @@ def provider_policy(provider: Provider, config: RelayConfig) -> ProviderPolicy:
 class Bootstrap:
     provider: Provider
     created: bool
-    #: The secret to show the operator, or None when it cannot be known (rotated
-    #: in the admin since the persisted one was generated).
+    #: The provider's secret, or None when it cannot be known (rotated in the admin
+    #: since the persisted one was generated).
     secret: str | None
     source: str
+    #: Whether ``secret`` was generated just now (the one start that may show it whole).
+    generated: bool = False
 
 
 def bootstrap_default_provider(name: str, env_secret: str, data_dir: Path) -> Bootstrap:
@@ -51,19 +54,75 @@ def bootstrap_default_provider(name: str, env_secret: str, data_dir: Path) -> Bo
     """
     with transaction.atomic():
         provider, created = Provider.objects.select_for_update().get_or_create(name=name)
+        generated = False
         if env_secret:
             secret, source = env_secret, "WORKER_SECRET"
         else:
-            secret = persisted_secret(data_dir / "worker_secret", prefix="mrw_")
-            source = str(data_dir / "worker_secret")
+            path = data_dir / "worker_secret"
+            generated = not path.exists()
+            secret = persisted_secret(path, prefix="mrw_")
+            source = str(path)
         if created or not provider.secret_hash or env_secret:
             if not provider.check_secret(secret):
                 provider.set_secret(secret)
                 provider.save()
-            return Bootstrap(provider, created, secret, source)
+            return Bootstrap(provider, created, secret, source, generated)
         if provider.check_secret(secret):
-            return Bootstrap(provider, created, secret, source)
+            return Bootstrap(provider, created, secret, source, generated)
         return Bootstrap(provider, created, None, "rotated in the admin")
+
+
+@dataclass(frozen=True)
+class Rotation:
+    provider: Provider
+    #: The new secret, in clear: show it once, never store it.
+    secret: str
+    #: Whether the provider's connected workers were told to disconnect.
+    disconnect: bool
+    #: How many were (this process's and those other processes list); None when they
+    #: are disconnected only once an enclosing transaction commits.
+    disconnected: int | None
+
+    def outcome(self) -> str:
+        """What happened to the workers already connected, in one sentence."""
+        from relay.server.runtime import SECRET_ROTATED
+
+        name = self.provider.name
+        if not self.disconnect:
+            return (
+                f"Workers already connected to '{name}' keep running; any other worker "
+                "needs the new secret to connect."
+            )
+        if self.disconnected is None:
+            return f"Workers connected to '{name}' are disconnected once this change is saved."
+        if self.disconnected == 0:
+            return f"No worker of '{name}' was connected; any worker needs the new secret."
+        return (
+            f"Disconnected {self.disconnected} connected worker(s) of '{name}' (close 1008, "
+            f'"{SECRET_ROTATED}"); they need the new secret to reconnect.'
+        )
+
+
+def rotate_secret(provider: Provider, *, disconnect: bool = False) -> Rotation:
+    """Give ``provider`` a new worker secret; with ``disconnect``, evict its workers.
+
+    Workers already connected were let in with the old secret: without ``disconnect``
+    they keep running. With it, every worker of the provider on every server process is
+    closed with 1008 "provider secret rotated" — after the new secret is committed, so a
+    worker that reconnects at once is checked against the new one.
+    """
+    from relay.server import runtime
+
+    with transaction.atomic():
+        locked = Provider.objects.select_for_update().get(pk=provider.pk)
+        secret = locked.rotate_secret()
+        locked.save(update_fields=["secret_prefix", "secret_hash", "updated_at"])
+    disconnected: list[int] = []
+    if disconnect:
+        name = locked.name
+        # Runs at once outside a transaction, else when the enclosing one commits.
+        transaction.on_commit(lambda: disconnected.append(runtime.disconnect_provider(name)))
+    return Rotation(locked, secret, disconnect, disconnected[0] if disconnected else None)
 
 
 def close_stale_sessions(reason: str = "server restarted") -> int:
@@ -77,6 +136,36 @@ def prune_sessions(days: int) -> int:
     cutoff = timezone.now() - dt.timedelta(days=days)
     deleted, _ = WorkerSession.objects.filter(disconnected_at__lt=cutoff).delete()
     return deleted
+
+
+#: What ``serve`` keeps private in DATA_DIR besides the database: the generated secrets.
+SECRET_FILES = ("secret_key", "pepper", "worker_secret")
+#: SQLite's companions of a database file, which hold recent writes (sessions too).
+SQLITE_SUFFIXES = ("", "-wal", "-shm", "-journal")
+
+
+def make_private(data_dir: Path, sqlite_database: Path | None) -> list[Path]:
+    """Take group and other permissions away from DATA_DIR (0700), the generated secrets
+    and the SQLite database with its -wal/-shm/-journal files (0600).
+
+    Called by ``serve`` at start, for files made before it ran (by an older version, or
+    a command run under a looser umask); it never widens a mode. Returns what changed.
+    """
+    targets = [(data_dir, 0o700), *((data_dir / name, 0o600) for name in SECRET_FILES)]
+    if sqlite_database is not None:
+        targets += [(Path(f"{sqlite_database}{suffix}"), 0o600) for suffix in SQLITE_SUFFIXES]
+    changed = []
+    for path, allowed in targets:
+        try:
+            mode = path.stat().st_mode & 0o7777
+            if mode & ~allowed:
+                os.chmod(path, mode & allowed)
+                changed.append(path)
+        except FileNotFoundError:
+            continue
+        except PermissionError as exc:
+            logger.warning("could not make %s private: %s", path, exc)
+    return changed
 
 
 class PepperMismatch(Exception):

@@ -3,8 +3,9 @@
 ``/dashboard`` renders the page with a first snapshot embedded; the page's script
 then follows ``/dashboard/events``, one JSON snapshot of the relay per second, and
 redraws in place. Drain and refresh buttons POST (with the CSRF token) to
-``/dashboard/workers/<id>/<action>``. All data comes from :mod:`relay.core.snapshot`;
-these views only check who is asking and translate to HTTP.
+``/dashboard/workers/<id>/<action>`` (a drain may carry ``timeout_secs``, form-encoded
+or JSON). All data comes from :mod:`relay.core.snapshot`; these views only check who is
+asking and translate to HTTP.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,6 +31,7 @@ from django.views.decorators.http import require_POST
 
 from relay.core import snapshot
 from relay.server import runtime
+from relay.server.admin_api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
 
 logger = logging.getLogger("relay.pages")
 
@@ -112,6 +115,33 @@ async def events(request: HttpRequest) -> HttpResponseBase:
     return response
 
 
+class BadInput(ValueError):
+    pass
+
+
+def _drain_timeout(request: HttpRequest) -> float | None:
+    """The optional ``timeout_secs`` of a drain; raises BadInput unless it is valid."""
+    if request.content_type == "application/json":
+        try:
+            document = json.loads(request.body or b"{}")
+        except ValueError:
+            raise BadInput("the body is not valid JSON") from None
+        value = document.get("timeout_secs") if isinstance(document, dict) else None
+    else:
+        value = request.POST.get("timeout_secs") or None
+    if value is None:
+        return None
+    seconds = math.nan
+    if isinstance(value, int | float | str) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except ValueError:
+            pass
+    if not valid_drain_timeout(seconds):
+        raise BadInput(f"timeout_secs must be {DRAIN_TIMEOUT_RULE}")
+    return seconds
+
+
 @require_POST
 async def worker_action(request: HttpRequest, worker_id: str, action: str) -> HttpResponse:
     """Drain a connected worker or ask it to re-send its models."""
@@ -122,7 +152,11 @@ async def worker_action(request: HttpRequest, worker_id: str, action: str) -> Ht
         return forbidden("you may not drain or refresh workers")
     rt = runtime.current()
     if action == "drain":
-        done = await rt.drain(worker_id, reason="drained from the dashboard")
+        try:  # before anything changes
+            timeout = _drain_timeout(request)
+        except BadInput as exc:
+            return JsonResponse({"detail": str(exc)}, status=400)
+        done = await rt.drain(worker_id, drain_secs=timeout, reason="drained from the dashboard")
     elif action == "refresh":
         done = await rt.refresh(worker_id, reason="requested from the dashboard")
     else:

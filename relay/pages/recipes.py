@@ -2,7 +2,9 @@
 
 Plain data and string building, no Django: every command is quoted for the shell
 it is shown for (POSIX ``sh`` on Linux and macOS, PowerShell on Windows), so
-names and URLs typed into the wizard cannot break out of their argument.
+names and URLs typed into the wizard cannot break out of their argument. The worker
+secret is always passed in the environment, never as a flag: a command line is
+visible to every user of the GPU box (``ps``, ``/proc/<pid>/cmdline``).
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ def ps_quote(value: str) -> str:
 
 @dataclass(frozen=True)
 class WorkerSetup:
-    """Everything that goes into one worker's command line."""
+    """Everything that goes into one worker's command line and environment."""
 
     public_url: str
     provider: str
@@ -207,14 +209,12 @@ class WorkerSetup:
         return f"{self.public_url}/setup/worker.pyz"
 
     def arguments(self) -> list[str]:
-        """Flag, value, flag, value, …"""
+        """Flag, value, flag, value, … — everything but the secret."""
         args = [
             "--proxy-url",
             self.public_url,
             "--provider",
             self.provider,
-            "--worker-secret",
-            self.secret,
             "--backend-url",
             self.backend_url,
         ]
@@ -223,6 +223,20 @@ class WorkerSetup:
         if self.max_concurrent:
             args += ["--max-concurrent", str(self.max_concurrent)]
         return args
+
+    def environment(self) -> list[tuple[str, str]]:
+        """The same settings as the worker's environment variables, the secret included."""
+        env = [
+            ("PROXY_URL", self.public_url),
+            ("PROVIDER_NAME", self.provider),
+            ("WORKER_SECRET", self.secret),
+            ("BACKEND_URL", self.backend_url),
+        ]
+        if self.models:
+            env.append(("MODELS", ",".join(self.models)))
+        if self.max_concurrent:
+            env.append(("MAX_CONCURRENT", str(self.max_concurrent)))
+        return env
 
 
 @dataclass(frozen=True)
@@ -266,11 +280,31 @@ def worker_command(platform: str, setup: WorkerSetup, requirements: list[str]) -
         shell = "sh"
     args = setup.arguments()
     pairs = [f"{q(args[i])} {q(args[i + 1])}" for i in range(0, len(args), 2)]
-    if shell == "sh":  # one flag per line: long secrets and URLs stay readable
-        run = " \\\n  ".join([f"{python} worker.pyz", *pairs])
+    if shell == "sh":  # one flag per line: long URLs stay readable
+        # The secret only in the worker's environment, for this one command.
+        run = " \\\n  ".join([f"WORKER_SECRET={q(setup.secret)}", f"{python} worker.pyz", *pairs])
     else:  # PowerShell's backtick continuation breaks on a trailing space: one line
-        run = " ".join([f"{python} worker.pyz", *pairs])
+        # An assignment takes an expression: the value is always quoted there.
+        secret = "'" + setup.secret.replace("'", "''") + "'"
+        run = " ".join([f"$env:WORKER_SECRET = {secret};", f"{python} worker.pyz", *pairs])
     return WorkerCommand(platform, PLATFORMS[platform], shell, install, run)
+
+
+_ENV_SAFE = re.compile(r"^[A-Za-z0-9_./:,@+=-]*$")
+
+
+def env_file(setup: WorkerSetup) -> str:
+    """The worker's settings as a systemd ``EnvironmentFile`` (deploy/worker.env.example).
+
+    Values that are not plainly safe are double-quoted with systemd's escapes.
+    """
+    lines = []
+    for name, value in setup.environment():
+        if not _ENV_SAFE.match(value):
+            escaped = "".join("\\" + c if c in '"\\`$' else c for c in value)
+            value = f'"{escaped}"'
+        lines.append(f"{name}={value}")
+    return "\n".join(lines) + "\n"
 
 
 def curl_test(public_url: str, model: str, *, api_key: bool = False) -> str:

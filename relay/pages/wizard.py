@@ -2,9 +2,11 @@
 
 1. ``/setup``: platform and backend (public);
 2. ``/setup/backend``: how to start that backend (public);
-3. ``/setup/worker``: staff choose a new provider or rotate an existing one's secret;
-   the secret is created here, shown once (never stored in clear, page not cached)
-   together with the worker's install-and-run command for the platform;
+3. ``/setup/worker``: staff choose a new provider (needs the permission to add
+   providers) or rotate an existing one's secret (to change them), optionally
+   disconnecting the workers already connected with the old one; the secret is created
+   here, shown once (never stored in clear, page not cached) together with the worker's
+   install-and-run command for the platform and a systemd env file;
 4. the same page follows ``/setup/status`` until a worker of that provider registers
    after the secret was issued, then shows a ``curl`` test for its first model.
 
@@ -20,7 +22,7 @@ from urllib.parse import urlencode, urlsplit
 from django import forms
 from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
-from django.core.exceptions import ValidationError
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import render
@@ -31,8 +33,12 @@ from relay.pages import bundle, recipes
 from relay.pages.dashboard import forbidden, staff_user
 from relay.server import runtime
 from workers_app.models import Provider, split_models, validate_provider_name
+from workers_app.services import rotate_secret
 
 STEPS = ("Platform & backend", "Start the backend", "Run the worker", "Confirm")
+#: Creating a provider (mode "new") and rotating a secret (mode "rotate") need what the
+#: Django admin would ask for the same change.
+MODE_PERMISSIONS = {"new": "workers_app.add_provider", "rotate": "workers_app.change_provider"}
 
 
 def public_url(request: HttpRequest) -> str:
@@ -105,6 +111,7 @@ class WorkerForm(forms.Form):
     provider = forms.ModelChoiceField(
         queryset=Provider.objects.all(), required=False, to_field_name="name"
     )
+    disconnect = forms.BooleanField(required=False)
     backend_url = forms.CharField(max_length=500)
     models = forms.CharField(required=False, max_length=2000)
     max_concurrent = forms.IntegerField(required=False, min_value=1, max_value=10_000)
@@ -137,25 +144,36 @@ class WorkerForm(forms.Form):
         return data
 
 
-def _issue_secret(data: dict[str, Any]) -> tuple[Provider, str]:
-    """Create the provider or rotate its secret; the clear secret is returned, never stored."""
-    with transaction.atomic():
-        if data["mode"] == "new":
+def _issue_secret(data: dict[str, Any]) -> tuple[Provider, str, str]:
+    """Create the provider or rotate its secret; the clear secret is returned, never stored.
+
+    Also returns what happened to workers already connected (rotation only).
+    """
+    if data["mode"] == "new":
+        with transaction.atomic():
             provider = Provider(name=data["name"])
             secret = provider.rotate_secret()
             provider.save()
-        else:
-            provider = Provider.objects.select_for_update().get(pk=data["provider"].pk)
-            secret = provider.rotate_secret()
-            provider.save(update_fields=["secret_prefix", "secret_hash", "updated_at"])
-    return provider, secret
+        return provider, secret, ""
+    rotation = rotate_secret(data["provider"], disconnect=bool(data.get("disconnect")))
+    return rotation.provider, rotation.secret, rotation.outcome()
+
+
+def _allowed_modes(request: HttpRequest) -> set[str]:
+    return {mode for mode, perm in MODE_PERMISSIONS.items() if request.user.has_perm(perm)}
 
 
 @never_cache
 @staff_member_required
 def worker(request: HttpRequest) -> HttpResponse:
     """Step 3 (staff): the provider form; on POST, the one-time secret and the commands."""
+    allowed = _allowed_modes(request)
+    if not allowed:
+        raise PermissionDenied("you may not create providers or rotate their secrets")
     if request.method == "POST":
+        # Checked before the form so that nothing is created or rotated without it.
+        if request.POST.get("mode") not in allowed:
+            raise PermissionDenied("you may not do this to providers")
         form = WorkerForm(request.POST)
         if form.is_valid():
             return _issued(request, form.cleaned_data)
@@ -166,16 +184,19 @@ def worker(request: HttpRequest) -> HttpResponse:
             initial={
                 "platform": choice[0],
                 "backend": choice[1],
-                "mode": "new",
+                "mode": "new" if "new" in allowed else "rotate",
                 "backend_url": recipe.backend_url,
                 "max_concurrent": recipe.max_concurrent,
             }
         )
     platform = form["platform"].value() or "linux"
+    may_rotate = "rotate" in allowed
     context = _context(
         3,
         form=form,
-        providers=list(Provider.objects.values_list("name", flat=True)),
+        may_create="new" in allowed,
+        may_rotate=may_rotate,
+        providers=list(Provider.objects.values_list("name", flat=True)) if may_rotate else [],
         platform_label=recipes.PLATFORMS.get(str(platform), ""),
         back_query=urlencode(
             {"platform": form["platform"].value(), "backend": form["backend"].value()}
@@ -186,7 +207,7 @@ def worker(request: HttpRequest) -> HttpResponse:
 
 def _issued(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
     issued_at = time.time()
-    provider, secret = _issue_secret(data)
+    provider, secret, outcome = _issue_secret(data)
     setup = recipes.WorkerSetup(
         public_url=public_url(request),
         provider=provider.name,
@@ -201,6 +222,9 @@ def _issued(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
         3,
         provider=provider,
         rotated=data["mode"] == "rotate",
+        disconnected=bool(data.get("disconnect")) and data["mode"] == "rotate",
+        outcome=outcome,
+        env_file=recipes.env_file(setup),
         # serve puts WORKER_SECRET back on its provider at every start.
         env_secret=bool(settings.WORKER_SECRET) and provider.name == settings.PROVIDER_NAME,
         secret=secret,

@@ -8,6 +8,7 @@ constant time); without a configured token every route answers 403. Errors are
 from __future__ import annotations
 
 import hmac
+import math
 from datetime import datetime
 from typing import Any
 
@@ -23,6 +24,19 @@ from keys.models import ApiKey
 from keys.services import create_key, revoke_key
 from relay.core import snapshot
 from relay.server import runtime
+
+#: The longest drain deadline an operator may set: a day. A draining worker takes no new
+#: work, so an endless (or absurd) deadline would take it out of service for good.
+MAX_DRAIN_SECS = 86400.0
+DRAIN_TIMEOUT_RULE = (
+    f"a finite number of seconds, greater than 0 and at most {MAX_DRAIN_SECS:g} (a day)"
+)
+
+
+def valid_drain_timeout(value: float) -> bool:
+    """Whether ``value`` may be a drain deadline (the dashboard and ``manage.py drain``
+    check with this too, before anything changes)."""
+    return math.isfinite(value) and 0 < value <= MAX_DRAIN_SECS
 
 
 class AdminToken(HttpBearer):
@@ -86,7 +100,11 @@ class NewKeyOut(KeyOut):
 
 
 class DrainIn(Schema):
-    timeout_secs: float | None = Field(default=None, gt=0)
+    # Validated before any state changes: an infinite deadline used to fail after the
+    # worker was marked draining, leaving it draining forever behind a 500.
+    timeout_secs: float | None = Field(
+        default=None, gt=0, le=MAX_DRAIN_SECS, allow_inf_nan=False, strict=True
+    )
     reason: str = Field(default="maintenance", max_length=100)
 
 

@@ -9,7 +9,9 @@ every process
   ``manage.py`` command issued to one process reaches a worker connected to another
   (``relay.drain`` / ``relay.refresh`` sent to the owning process's channel);
 - reacts to ``relay.sync`` broadcasts by re-reading providers and API keys at once,
-  so a key revoked through one process is refused by all of them immediately.
+  so a key revoked through one process is refused by all of them immediately;
+- reacts to ``relay.disconnect_provider`` broadcasts by closing its workers of that
+  provider (1008), so rotating a leaked secret evicts every worker let in with it.
 
 Token chunks never travel through here (see SPEC §2: the Redis layer is far too
 slow for them); only rare control messages do.
@@ -94,6 +96,8 @@ class Cluster:
                 relay.refresh_models(
                     message["worker_id"], reason=message.get("reason") or "operator"
                 )
+            case "relay.disconnect_provider":
+                close_workers_of(relay, message["provider"], message["reason"])
 
     async def _publish(self) -> None:
         while True:
@@ -140,3 +144,29 @@ class Cluster:
 
     async def broadcast_sync(self) -> None:
         await self.layer.group_send(GROUP, {"type": "relay.sync"})
+
+    async def disconnect_provider(self, provider: str, reason: str) -> int:
+        """Tell every process to close its workers of ``provider``.
+
+        A broadcast rather than a message per listed worker: a worker that joined another
+        process since its last publication is closed too. Returns how many workers the
+        other processes list for ``provider``.
+        """
+        listed = sum(
+            1
+            for document in await self.instances()
+            if document["instance"] != self.instance
+            for worker in document["workers"]
+            if worker.get("provider") == provider
+        )
+        message = {"type": "relay.disconnect_provider", "provider": provider, "reason": reason}
+        await self.layer.group_send(GROUP, message)
+        return listed
+
+
+def close_workers_of(relay: Relay, provider: str, reason: str) -> int:
+    """Close this process's workers of ``provider`` with 1008 and ``reason``; how many."""
+    workers = relay.registry.of_provider(provider)
+    for worker in workers:
+        relay.close_worker(worker, 1008, reason)
+    return len(workers)

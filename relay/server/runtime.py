@@ -21,12 +21,16 @@ from relay.core.keycache import KeyCache, KnownKey
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.server.bookkeeper import Bookkeeper, in_thread
-from relay.server.cluster import GROUP, Cluster
+from relay.server.cluster import GROUP, Cluster, close_workers_of
 from relay.server.cors import CorsPolicy
 from relay.server.metrics import RelayMetrics
 from relay.wire.errors import Flavor
 
 logger = logging.getLogger("relay.runtime")
+
+#: The close reason workers see when an operator rotates their provider's secret and
+#: disconnects them.
+SECRET_ROTATED = "provider secret rotated"
 
 
 def relay_config() -> RelayConfig:
@@ -127,6 +131,18 @@ class Runtime:
         return self.cluster is not None and await self.cluster.forward(
             "refresh", worker_id, reason=reason
         )
+
+    async def disconnect_provider(self, provider: str, reason: str = SECRET_ROTATED) -> int:
+        """Close every worker of ``provider`` (1008) here and, with Redis, in every process.
+
+        Returns how many were closed here plus how many the other processes list.
+        """
+        closed = close_workers_of(self.relay, provider, reason)
+        if self.cluster is not None:
+            closed += await self.cluster.disconnect_provider(provider, reason)
+        if closed:
+            logger.info("disconnected %d worker(s) of provider %s: %s", closed, provider, reason)
+        return closed
 
     async def ready(self) -> None:
         """Wait (briefly, once) for the first provider load."""
@@ -265,6 +281,37 @@ def providers_changed() -> None:
                 async_to_sync(layer.group_send)(GROUP, {"type": "relay.sync"})
     except Exception:
         logger.warning("could not broadcast a provider/key change through Redis", exc_info=True)
+
+
+def disconnect_provider(provider: str, reason: str = SECRET_ROTATED) -> int:
+    """Thread-safe: close every worker of ``provider`` on every server process (1008).
+
+    Called from sync code (the admin, the wizard) in a thread other than the server's
+    loop, after a secret rotation was committed. Returns how many workers were told to
+    close. A process without a running relay (a management command) can only broadcast
+    through Redis, and counts nothing.
+    """
+    runtime = _current
+    if runtime is not None and runtime.loop.is_running():
+        try:
+            on_loop = asyncio.get_running_loop() is runtime.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # blocking on our own loop would never return
+            raise RuntimeError("disconnect_provider() called on the relay's event loop")
+        future = asyncio.run_coroutine_threadsafe(
+            runtime.disconnect_provider(provider, reason), runtime.loop
+        )
+        return future.result(timeout=10)
+    if settings.REDIS_URL:
+        from asgiref.sync import async_to_sync
+        from channels.layers import get_channel_layer
+
+        layer = get_channel_layer()
+        if layer is not None:
+            message = {"type": "relay.disconnect_provider", "provider": provider, "reason": reason}
+            async_to_sync(layer.group_send)(GROUP, message)
+    return 0
 
 
 def _log_failure(future: object) -> None:

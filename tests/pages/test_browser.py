@@ -305,12 +305,16 @@ async def _dashboard_flow(server: LiveServer, browser: Any) -> None:
 async def _start_shown_worker(command: str, tmp: Path) -> asyncio.subprocess.Process:
     """Run the wizard's run command in ``tmp``, with this interpreter as the venv's python."""
     argv = shell_words(command)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "WORKER_NAME": "wizard-box"}
+    while "=" in argv[0]:  # the command's own environment (sh: NAME=value command ...)
+        name, value = argv.pop(0).split("=", 1)
+        env[name] = value
     assert argv[:2] == ["modelrelay-worker/bin/python", "worker.pyz"], argv
     return await asyncio.create_subprocess_exec(
         sys.executable,
         *argv[1:],
         cwd=tmp,
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "WORKER_NAME": "wizard-box"},
+        env=env,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
@@ -359,9 +363,10 @@ async def _wizard_flow(server: LiveServer, browser: Any, tmp_path: Path) -> None
         run = await page.locator("#run-command-linux").inner_text()
         assert f"curl -fsSLO {server.url}/setup/worker.pyz" in script
         argv = shell_words(run)
+        assert argv[0] == f"WORKER_SECRET={secret}"  # in the environment, not in `ps`
         assert argv[argv.index("--proxy-url") + 1] == server.url
         assert argv[argv.index("--provider") + 1] == "lab-gpus"
-        assert argv[argv.index("--worker-secret") + 1] == secret
+        assert "--worker-secret" not in argv
         assert "--models" not in argv  # left empty: the worker asks the backend
         await expect(page.locator("#waiting")).to_be_visible()
         await shoot(page, "setup-3-command")

@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -48,6 +49,24 @@ async def _user(username: str, *, staff: bool):
     if staff:
         return await sync_to_async(User.objects.create_superuser)(username, "", "pw")
     return await sync_to_async(User.objects.create_user)(username, "", "pw")
+
+
+async def _staff_with(*permissions: str) -> AsyncClient:
+    """A logged-in staff user (not a superuser) holding exactly ``permissions``."""
+    from django.contrib.auth.models import Permission, User
+
+    def make() -> User:
+        user = User.objects.create_user(f"staff-{len(permissions)}", "", "pw", is_staff=True)
+        for name in permissions:
+            app, codename = name.split(".")
+            user.user_permissions.add(
+                Permission.objects.get(content_type__app_label=app, codename=codename)
+            )
+        return user
+
+    client = AsyncClient()
+    await client.aforce_login(await sync_to_async(make)())
+    return client
 
 
 @pytest.fixture
@@ -192,6 +211,37 @@ async def test_staff_drain_and_refresh_workers_from_the_dashboard(staff):
     assert (await staff.post(f"{url}/drain")).status_code == 404
     assert (await staff.post(f"{url}/explode")).status_code == 404
     assert (await staff.get(f"{url}/drain")).status_code == 405
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        ('{"timeout_secs": Infinity}', "application/json"),
+        ('{"timeout_secs": NaN}', "application/json"),
+        ('{"timeout_secs": -1}', "application/json"),
+        ('{"timeout_secs": 1e300}', "application/json"),
+        ('{"timeout_secs": true}', "application/json"),
+        ("timeout_secs=inf", "application/x-www-form-urlencoded"),
+        ("timeout_secs=0", "application/x-www-form-urlencoded"),
+        ("timeout_secs=soon", "application/x-www-form-urlencoded"),
+    ],
+)
+async def test_a_dashboard_drain_with_a_bad_deadline_is_400_and_changes_nothing(
+    staff, body, content_type
+):
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        url = f"/dashboard/workers/{ack.worker_id}"
+        response = await staff.post(f"{url}/drain", body, content_type=content_type)
+        assert response.status_code == 400
+        assert "timeout_secs must be a finite number of seconds" in response.json()["detail"]
+        assert runtime.current().relay.registry.workers[ack.worker_id].draining is False
+        assert (await staff.post(f"{url}/refresh")).status_code == 200
+        assert await worker.expect(protocol.ModelsRefresh)  # nothing was sent before it
+        good = await staff.post(f"{url}/drain", {"timeout_secs": "90"})
+        assert good.status_code == 200
+        shutdown = await worker.expect(protocol.GracefulShutdown)
+        assert shutdown.drain_timeout_secs == 90
 
 
 async def test_dashboard_actions_need_the_csrf_token(provider):
@@ -386,6 +436,70 @@ async def test_rotating_the_env_configured_provider_warns_that_a_restart_undoes_
     assert 'id="env-secret-warning"' not in page
 
 
+async def test_staff_without_provider_permissions_can_neither_create_nor_rotate(provider):
+    from workers_app.models import Provider
+
+    client = await _staff_with()
+    assert (await client.get("/setup/worker?platform=linux&backend=llama")).status_code == 403
+    assert (await client.post("/setup/worker", SETUP_POST)).status_code == 403
+    assert (await client.post("/setup/worker", ROTATE_LOCAL)).status_code == 403
+    disconnect = {**ROTATE_LOCAL, "disconnect": "on"}
+    assert (await client.post("/setup/worker", disconnect)).status_code == 403
+    assert not await Provider.objects.filter(name="lab-gpus").aexists()
+    assert (await Provider.objects.aget(name="local")).check_secret(SECRET)
+
+
+async def test_creating_needs_the_add_permission_and_rotating_the_change_permission(provider):
+    from workers_app.models import Provider
+
+    adder = await _staff_with("workers_app.add_provider")
+    form = (await adder.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert "You may not rotate provider secrets." in form
+    assert '<option value="local"' not in form
+    assert (await adder.post("/setup/worker", ROTATE_LOCAL)).status_code == 403
+    assert (await Provider.objects.aget(name="local")).check_secret(SECRET)
+    created = await adder.post("/setup/worker", SETUP_POST)
+    assert created.status_code == 200
+    assert (await Provider.objects.aget(name="lab-gpus")).check_secret(
+        secret_on(created.content.decode())
+    )
+
+    rotator = await _staff_with("workers_app.change_provider", "workers_app.view_provider")
+    form = (await rotator.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert "You may not create providers." in form
+    assert 'name="mode" value="rotate" checked' in form
+    assert (await rotator.post("/setup/worker", {**SETUP_POST, "name": "b"})).status_code == 403
+    assert not await Provider.objects.filter(name="b").aexists()
+    rotated = await rotator.post("/setup/worker", ROTATE_LOCAL)
+    assert rotated.status_code == 200
+    local = await Provider.objects.aget(name="local")
+    assert local.check_secret(secret_on(rotated.content.decode()))
+
+
+async def test_rotating_in_the_wizard_can_also_disconnect_the_connected_workers(staff):
+    async with FakeWorker() as kept:
+        ack = await kept.register(["m"])
+        page = (await staff.post("/setup/worker", ROTATE_LOCAL)).content.decode()
+        outcome = attribute(page, r'id="rotation-outcome">([^<]+)<')
+        assert "Workers already connected to 'local' keep running" in outcome
+        assert ack.worker_id in runtime.current().relay.registry.workers
+        assert kept.closed is None
+
+        # The old secret leaked: rotate again, and this time evict whoever used it.
+        page = (await staff.post("/setup/worker", {**ROTATE_LOCAL, "disconnect": "on"})).content
+        page = page.decode()
+        assert await kept.wait_closed() == (1008, "provider secret rotated")
+        assert ack.worker_id not in runtime.current().relay.registry.workers
+        assert "(secret rotated, connected workers disconnected)" in page
+        outcome = attribute(page, r'id="rotation-outcome">([^<]+)<')
+        assert "Disconnected 1 connected worker(s) of 'local'" in outcome
+    async with FakeWorker(secret=SECRET) as intruder:
+        await intruder.connect()
+        assert await intruder.wait_closed() == (1008, "invalid worker secret")
+    async with FakeWorker(secret=secret_on(page)) as worker:
+        assert (await worker.register(["m"])).models == ["m"]
+
+
 async def test_the_secret_form_refuses_bad_and_taken_names(staff):
     from workers_app.models import Provider
 
@@ -415,23 +529,39 @@ async def test_the_command_for_each_platform_has_this_url_the_provider_and_the_s
     run = code_block(page, f"run-command-{platform}")
     assert script.endswith(run)
     assert "--proxy-url http://testserver" in run
-    assert "--provider lab-gpus" in run and f"--worker-secret {secret}" in run
+    assert "--provider lab-gpus" in run
     assert "--backend-url http://127.0.0.1:8000" in run
+    # The secret travels in the environment: a flag would show in `ps` on the GPU box.
+    assert "--worker-secret" not in page
     for pin in bundle.worker_requirements():
         assert pin in script
     if platform == "windows":
         assert "py -m venv modelrelay-worker" in script
         assert "Invoke-WebRequest -UseBasicParsing -OutFile worker.pyz " in script
         assert "http://testserver/setup/worker.pyz" in script
-        assert run.startswith(r".\modelrelay-worker\Scripts\python.exe worker.pyz ")
+        python = r".\modelrelay-worker\Scripts\python.exe"
+        assert run.startswith(f"$env:WORKER_SECRET = '{secret}'; {python} worker.pyz ")
         assert "--models 'tiny-model,other-model'" in run
     else:
         assert "curl -fsSLO http://testserver/setup/worker.pyz" in script
         argv = shell_words(run)
-        assert argv[:2] == ["modelrelay-worker/bin/python", "worker.pyz"]
+        assert argv[:3] == [f"WORKER_SECRET={secret}", "modelrelay-worker/bin/python", "worker.pyz"]
         assert argv[argv.index("--models") + 1] == "tiny-model,other-model"
-        assert argv[argv.index("--worker-secret") + 1] == secret
+        assert secret not in argv[1:]
     assert f'data-platform="{platform}"' in page
+
+
+async def test_the_linux_tab_has_a_systemd_env_file_with_the_secret(staff):
+    page = (await staff.post("/setup/worker", SETUP_POST)).content.decode()
+    secret = secret_on(page)
+    lines = code_block(page, "env-file").splitlines()
+    assert lines == [
+        "PROXY_URL=http://testserver",
+        "PROVIDER_NAME=lab-gpus",
+        f"WORKER_SECRET={secret}",
+        "BACKEND_URL=http://127.0.0.1:8000",
+        "MODELS=tiny-model,other-model",
+    ]
 
 
 async def test_an_https_public_url_stays_https_in_the_command(staff, settings):
@@ -456,10 +586,16 @@ def test_commands_quote_what_people_typed():
     )
     linux = recipes.worker_command("linux", setup, ["httpx==0.28.1"])
     argv = shell_words(linux.run)
+    assert argv[0] == "WORKER_SECRET=mrw_abc-DEF_123"
     assert argv[argv.index("--models") + 1] == "it's; rm -rf ~,b"
     assert argv[argv.index("--max-concurrent") + 1] == "3"
     windows = recipes.worker_command("windows", setup, ["httpx==0.28.1"])
+    assert windows.run.startswith("$env:WORKER_SECRET = 'mrw_abc-DEF_123'; ")
     assert "--models 'it''s; rm -rf ~,b'" in windows.run
+    env = recipes.env_file(setup)
+    assert 'MODELS="it\'s; rm -rf ~,b"\n' in env and "MAX_CONCURRENT=3\n" in env
+    odd = recipes.env_file(replace(setup, models=('say "$HOME" \\ `x`',)))
+    assert 'MODELS="say \\"\\$HOME\\" \\\\ \\`x\\`"\n' in odd
     curl = recipes.curl_test("https://relay.example.com", "it's")
     argv = shell_words(curl)
     assert argv[1] == "https://relay.example.com/v1/chat/completions"

@@ -132,6 +132,41 @@ async def test_workers_listing_drain_and_refresh(admin):
         assert workers == []
 
 
+@pytest.mark.parametrize(
+    "timeout",
+    [
+        b"Infinity",
+        b"-Infinity",
+        b"NaN",
+        b"1e999",
+        b"-5",
+        b"0",
+        b"86401",
+        b"1e300",
+        b"true",
+        b'"30"',
+    ],
+)
+async def test_a_drain_deadline_that_is_not_finite_and_within_a_day_is_400(admin, timeout):
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        body = b'{"timeout_secs": ' + timeout + b"}"
+        status, _, raw = await call("POST", f"/admin/workers/{ack.worker_id}/drain", body)
+        assert status == 400, raw
+        assert "timeout_secs" in json.loads(raw)["detail"]
+        # Refused before anything changed: the worker still takes work, and was told nothing.
+        assert runtime.current().relay.registry.workers[ack.worker_id].draining is False
+        status, _, body = await call("POST", f"/admin/workers/{ack.worker_id}/refresh")
+        assert status == 202
+        assert await worker.expect(protocol.ModelsRefresh)  # the next frame, no shutdown first
+        status, _, raw = await call(
+            "POST", f"/admin/workers/{ack.worker_id}/drain", b'{"timeout_secs": 86400}'
+        )
+        assert status == 202
+        shutdown = await worker.expect(protocol.GracefulShutdown)
+        assert shutdown.drain_timeout_secs == 86400
+
+
 async def test_acting_on_an_unknown_worker_is_404(admin):
     status, _, body = await call("POST", "/admin/workers/w-nope/drain")
     assert status == 404 and "w-nope" in json.loads(body)["detail"]
@@ -310,3 +345,68 @@ async def test_audit_admins_are_read_only(staff):
         assert response.status_code == 403
         listing = await staff.get(f"/django-admin/workers_app/{model}/")
         assert listing.status_code == 200
+
+
+PROVIDERS = "/django-admin/workers_app/provider/"
+
+
+async def run_provider_action(client, action: str, name: str = "local") -> str:
+    """Run a Django admin action on one provider; the page it lands on."""
+    from workers_app.models import Provider
+
+    provider = await Provider.objects.aget(name=name)
+    form = {"action": action, "_selected_action": str(provider.pk), "index": "0"}
+    response = await client.post(PROVIDERS, form, follow=True)
+    assert response.status_code == 200
+    return response.content.decode()
+
+
+async def test_the_admin_rotates_a_secret_with_or_without_disconnecting_workers(staff):
+    from workers_app.models import Provider
+
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        page = await run_provider_action(staff, "rotate_secret")
+        first = page.split("user-select:all'>")[1].split("<")[0]
+        assert "Workers already connected to &#x27;local&#x27; keep running" in page
+        assert ack.worker_id in runtime.current().relay.registry.workers
+
+        page = await run_provider_action(staff, "rotate_secret_and_disconnect")
+        second = page.split("user-select:all'>")[1].split("<")[0]
+        assert await worker.wait_closed() == (1008, "provider secret rotated")
+        assert "Disconnected 1 connected worker(s) of &#x27;local&#x27;" in page
+    local = await Provider.objects.aget(name="local")
+    assert local.check_secret(second) and not local.check_secret(first)
+    async with FakeWorker(secret=first) as old:
+        await old.connect()
+        assert await old.wait_closed() == (1008, "invalid worker secret")
+    options = (await staff.get(PROVIDERS)).content.decode()
+    assert "Rotate worker secret and disconnect connected workers" in options
+    page = await run_provider_action(staff, "rotate_secret_and_disconnect")
+    assert "No worker of &#x27;local&#x27; was connected" in page
+
+
+async def test_staff_who_may_only_view_providers_cannot_rotate_enable_or_disable(admin):
+    from django.contrib.auth.models import Permission, User
+    from django.test import AsyncClient
+
+    from tests.asgikit import SECRET
+    from workers_app.models import Provider
+
+    def viewer() -> User:
+        user = User.objects.create_user("viewer", "", "pw", is_staff=True)
+        user.user_permissions.add(Permission.objects.get(codename="view_provider"))
+        return user
+
+    client = AsyncClient()
+    await client.aforce_login(await sync_to_async(viewer)())
+    listing = (await client.get(PROVIDERS)).content.decode()
+    assert "rotate_secret" not in listing and "disable" not in listing
+    async with FakeWorker() as worker:
+        ack = await worker.register(["m"])
+        for action in ("rotate_secret", "rotate_secret_and_disconnect", "disable"):
+            page = await run_provider_action(client, action)
+            assert "user-select:all" not in page
+        local = await Provider.objects.aget(name="local")
+        assert local.check_secret(SECRET) and local.enabled
+        assert ack.worker_id in runtime.current().relay.registry.workers

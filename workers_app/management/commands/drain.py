@@ -7,6 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from relay.server.admin_api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
 from workers_app.management.commands._common import add_server_arguments, client, find_worker
 
 
@@ -25,12 +26,15 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if bool(options["worker"]) == bool(options["all"]):
             raise CommandError("name one worker, or pass --all")
+        timeout = options["timeout"]
+        if timeout is not None and not valid_drain_timeout(timeout):
+            raise CommandError(f"--timeout must be {DRAIN_TIMEOUT_RULE}, got {timeout:g}")
         api = client(options)
         workers = api.workers()
         targets = workers if options["all"] else [find_worker(workers, options["worker"])]
-        payload = {"reason": options["reason"]}
-        if options["timeout"]:
-            payload["timeout_secs"] = options["timeout"]
+        payload: dict[str, Any] = {"reason": options["reason"]}
+        if timeout is not None:
+            payload["timeout_secs"] = timeout
         for worker in targets:
             api.request("POST", f"/admin/workers/{worker['id']}/drain", json=payload)
             self.stdout.write(

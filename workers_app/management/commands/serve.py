@@ -9,7 +9,9 @@ SIGTERM is graceful either way (see :mod:`modelrelay_site.servers`).
 import daphne.server  # noqa: F401  isort:skip
 
 import logging
+import os
 import socket
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -18,12 +20,14 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from modelrelay_site.servers import SERVERS
 from relay import __version__
+from relay.core.credentials import PREFIX_LEN
 from workers_app.services import (
     Bootstrap,
     PepperMismatch,
     bootstrap_default_provider,
     check_pepper,
     close_stale_sessions,
+    make_private,
     prune_sessions,
 )
 
@@ -37,11 +41,24 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def sqlite_database() -> Path | None:
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] != "django.db.backends.sqlite3" or str(database["NAME"]) == ":memory:":
+        return None
+    return Path(database["NAME"])
+
+
 def worker_command(public_url: str, provider: str, secret: str) -> str:
+    # The secret in the environment: a command line is readable by every user of the box.
     return (
-        f"python worker.py --proxy-url {public_url} --provider {provider} "
-        f"--worker-secret {secret} --backend-url http://127.0.0.1:8000"
+        f"WORKER_SECRET={secret} python worker.py --proxy-url {public_url} "
+        f"--provider {provider} --backend-url http://127.0.0.1:8000"
     )
+
+
+def masked(secret: str) -> str:
+    """Enough of a secret to tell which one it is, never most of it."""
+    return secret[: min(PREFIX_LEN, len(secret) // 3)] + "…"
 
 
 class Command(BaseCommand):
@@ -59,6 +76,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         host, port = parse_listen(options["listen"] or settings.LISTEN_ADDR)
+        # Whatever this process creates (the SQLite database and its journals, generated
+        # secrets) is for its own user only: the database holds the admin's session ids.
+        os.umask(0o077)
+        for path in make_private(settings.DATA_DIR, sqlite_database()):
+            logger.info("made %s private to this user", path)
         if not options["no_migrate"]:
             call_command("migrate", interactive=False, verbosity=0)
         try:
@@ -96,13 +118,26 @@ class Command(BaseCommand):
             f"Run a worker on each GPU box, next to its model server (provider "
             f"'{boot.provider.name}'):",
         ]
-        if boot.secret is not None:
+        # The banner ends up in the journal and in docker logs: the secret appears whole
+        # only on the start that generated it, the one time the operator needs it there.
+        if boot.secret is not None and boot.generated:
             lines.append("  " + worker_command(public, boot.provider.name, boot.secret))
-            lines.append(f"  (worker secret from {boot.source})")
+            lines.append(
+                f"  (worker secret generated now and kept in {boot.source}; later starts show "
+                "only its beginning)"
+            )
+        elif boot.secret is not None:
+            lines.append("  " + worker_command(public, boot.provider.name, "<worker secret>"))
+            where = (
+                "set by WORKER_SECRET in the server's environment"
+                if boot.source == "WORKER_SECRET"
+                else f"kept in {boot.source}"
+            )
+            lines.append(f"  (the worker secret {masked(boot.secret)} is {where})")
         else:
             lines.append(
                 "  the provider's secret was rotated in the admin; use that secret with "
-                + worker_command(public, boot.provider.name, "<secret>")
+                + worker_command(public, boot.provider.name, "<worker secret>")
             )
         lines.append(
             "  Models and slots are discovered from the backend (or pass --models). The setup "
