@@ -15,8 +15,11 @@ messages, errors and SSE events it shares with the server).
 
 Run::
 
-    python worker.py --proxy-url https://relay.example.com --worker-secret "$SECRET" \\
+    WORKER_SECRET=mrw_… python worker.py --proxy-url https://relay.example.com \\
         --backend-url http://127.0.0.1:8080
+
+(the secret in the environment rather than on the command line, where ``ps`` and the
+shell history would show it).
 
 Every flag has an environment variable (see ``--help`` and ``docs/WORKER.md``).
 

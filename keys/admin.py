@@ -57,7 +57,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
                 ),
             )
 
-    @admin.action(description="Revoke selected keys")
+    @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         revoked = sum(1 for key in queryset if revoke_key(key))
         messages.success(request, f"revoked {revoked} key(s)")

@@ -23,6 +23,9 @@ from relay.wire.errors import SlowClient, StreamTooLarge, WorkerFailed
 
 logger = logging.getLogger("relay")
 
+#: The longest drain deadline the core accepts (the admin API refuses longer ones).
+MAX_DRAIN_SECS = 86_400.0
+
 
 class Relay(Dispatcher):
     def attach_worker(
@@ -253,7 +256,9 @@ class Relay(Dispatcher):
             return False
         if worker.draining:
             return True
-        timeout = self.config.drain_timeout if timeout is None else timeout
+        if timeout is None or not math.isfinite(timeout):
+            timeout = self.config.drain_timeout
+        timeout = min(max(timeout, 0.0), MAX_DRAIN_SECS)  # the edges validate; never raise here
         worker.draining = True
         logger.info("graceful shutdown: draining %s (%s): %s", worker.name, worker.id, reason)
         worker.link.send(

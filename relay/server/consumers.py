@@ -135,6 +135,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     peer: str = ""
     _register_timer: asyncio.TimerHandle | None = None
     _audit: asyncio.Task[Any] | None = None
+    _secret_hash: str = ""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """Read and dispatch frames in a plain loop.
@@ -210,6 +211,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             await self._refuse(problem)
             return
         rt.throttle.success(self.peer)
+        self._secret_hash = provider.secret_hash
         if not provider.enabled:
             logger.warning("worker refused: provider %s is disabled", provider.name)
             await self._refuse(f"provider '{provider.name}' is disabled")
@@ -247,7 +249,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         worker = self.worker
         if worker is None:
             if isinstance(msg, Register):
-                self._register(msg)
+                await self._register(msg)
             else:
                 self._violation(f"expected register, got {type(msg).__name__}")
             return
@@ -266,11 +268,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             case Register():
                 self._violation("duplicate register")
 
-    def _register(self, msg: Register) -> None:
+    async def _register(self, msg: Register) -> None:
         rt = runtime.current()
         if self._register_timer is not None:
             self._register_timer.cancel()
             self._register_timer = None
+        if not await self._still_admitted():
+            return
         version = msg.protocol_version
         if version is None and rt.config.require_protocol_version:
             self._violation("protocol_version is required")
@@ -294,6 +298,30 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         for warning in warnings:
             logger.warning("worker %s register: %s", worker.name, warning)
         self._audit = asyncio.get_running_loop().create_task(self._open_session(worker))
+
+    async def _still_admitted(self) -> bool:
+        """Check again, at register, that the secret this socket authenticated with is
+        still the provider's: a rotate-and-disconnect that committed between the
+        handshake and the register must not let this worker in after its sweep."""
+        from workers_app.models import Provider
+
+        row = (
+            await Provider.objects.filter(name=self.provider_name)
+            .values_list("secret_hash", "enabled")
+            .afirst()
+        )
+        problem = None
+        if row is None:
+            problem = f"unknown provider '{self.provider_name}'"
+        elif row[0] != self._secret_hash:
+            problem = "provider secret rotated"
+        elif not row[1]:
+            problem = f"provider '{self.provider_name}' is disabled"
+        if problem is None:
+            return True
+        logger.warning("worker refused at register: %s: %s", consumer_label(self), problem)
+        self._close(1008, problem)
+        return False
 
     def _violation(self, reason: str) -> None:
         """Close only this worker with 1002; everyone else carries on."""

@@ -410,3 +410,25 @@ async def test_staff_who_may_only_view_providers_cannot_rotate_enable_or_disable
         local = await Provider.objects.aget(name="local")
         assert local.check_secret(SECRET) and local.enabled
         assert ack.worker_id in runtime.current().relay.registry.workers
+
+
+async def test_staff_who_may_only_view_api_keys_cannot_revoke_them(admin):
+    from django.contrib.auth.models import Permission, User
+    from django.test import AsyncClient
+
+    from keys.services import create_key
+
+    def setup() -> tuple[User, ApiKey]:
+        user = User.objects.create_user("key-viewer", "", "pw", is_staff=True)
+        user.user_permissions.add(Permission.objects.get(codename="view_apikey"))
+        return user, create_key("kept").key
+
+    user, key = await sync_to_async(setup)()
+    client = AsyncClient()
+    await client.aforce_login(user)
+    listing = (await client.get("/django-admin/keys/apikey/")).content.decode()
+    assert "Revoke selected keys" not in listing
+    form = {"action": "revoke", "_selected_action": str(key.pk), "index": "0"}
+    await client.post("/django-admin/keys/apikey/", form, follow=True)
+    await key.arefresh_from_db()
+    assert key.revoked_at is None

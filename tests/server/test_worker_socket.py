@@ -280,3 +280,16 @@ async def test_unknown_websocket_paths_are_refused(provider):
     connected, _ = await comm.connect()
     assert connected is False
     await comm.disconnect()
+
+
+async def test_a_secret_rotated_between_handshake_and_register_keeps_the_worker_out(provider):
+    from workers_app.models import Provider
+
+    async with FakeWorker() as worker:
+        assert await worker.connect()  # authenticated with the old secret...
+        fresh = await Provider.objects.aget(name="local")
+        fresh.rotate_secret()  # ...which a rotation replaces before it registers
+        await fresh.asave()
+        await worker.send(protocol.Register(worker_name="late", models=["m"]))
+        assert await worker.wait_closed() == (1008, "provider secret rotated")
+        assert runtime.current().relay.registry.workers == {}
