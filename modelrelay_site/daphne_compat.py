@@ -236,11 +236,11 @@ def _refused_before_body(channel: Any) -> bytes | None:
     checks run again in the application, which answers everything else.
     """
     from relay.server import runtime
-    from relay.server.http import INFERENCE_ROUTES, before_body, host_allowed
+    from relay.server.http import before_body, host_allowed, route_table
     from relay.wire.errors import BadRequest, RelayError
 
     path = channel._path.split(b"?", 1)[0].decode("latin-1")
-    flavor = INFERENCE_ROUTES.get(path)
+    flavor = route_table().get(path)
     if flavor is None or channel.length == 0 or channel._command == b"OPTIONS":
         return None
     request = channel.requests[-1]

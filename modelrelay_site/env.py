@@ -79,6 +79,27 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def env_aliases(name: str) -> dict[str, str]:
+    """A JSON object of model aliases, ``{"public name": "backend model id", ...}``."""
+    import json
+
+    value = _raw(name)
+    if value is None or not value.strip():
+        return {}
+    try:
+        document = json.loads(value)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a JSON object: {exc}") from None
+    if not isinstance(document, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k.strip() and v.strip()
+        for k, v in document.items()
+    ):
+        raise ImproperlyConfigured(
+            f'{name} must map model names to model names, e.g. {{"gpt-4o-mini": "qwen2.5-7b"}}'
+        )
+    return {k.strip(): v.strip() for k, v in document.items()}
+
+
 def persisted_secret(path: Path, *, nbytes: int = 32, prefix: str = "") -> str:
     """Return the secret stored at ``path``, generating it (mode 0600) on first use.
 

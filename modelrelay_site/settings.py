@@ -11,6 +11,7 @@ from pathlib import Path
 import dj_database_url
 
 from modelrelay_site.env import (
+    env_aliases,
     env_bool,
     env_float,
     env_int,
@@ -70,6 +71,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "relay.server.jsonerrors.AdminJsonErrors",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -115,6 +117,10 @@ elif DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     DATABASES["default"].setdefault("OPTIONS", {}).update(
         {"timeout": 20, "transaction_mode": "IMMEDIATE", "init_command": "PRAGMA journal_mode=WAL;"}
     )
+    # Tests use a file too, not Django's shared-cache memory database: its table locks
+    # fail at once ("database table is locked") where a file waits for the lock, and
+    # the relay reads from background threads while tests write.
+    DATABASES["default"]["TEST"] = {"NAME": str(DATA_DIR / "test-db.sqlite3")}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -189,6 +195,25 @@ MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 32 * MIB, minimum=1024)
 STREAM_BUFFER_BYTES = env_int("STREAM_BUFFER_BYTES", 4 * MIB, minimum=1024)
 STREAM_BUFFER_TOTAL_BYTES = env_int("STREAM_BUFFER_TOTAL_BYTES", 256 * MIB, minimum=1024)
 STALL_TIMEOUT_SECS = env_float("STALL_TIMEOUT_SECS", 60.0)
+# The routes forwarded to workers by the body's model (relay/core/routes.py):
+# "default", "/path", "/path=anthropic", "-/path". Checked here so a typo stops the start.
+RELAY_ROUTES = env_list("RELAY_ROUTES", [])
+# Public model names mapped to backend model ids for every provider (JSON object).
+MODEL_ALIASES = env_aliases("MODEL_ALIASES")
+
+
+def _check_routes() -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from relay.core.routes import RouteError, parse_routes
+
+    try:
+        parse_routes(RELAY_ROUTES)
+    except RouteError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
+_check_routes()
 MODEL_MEMORY_SECS = env_float("MODEL_MEMORY_SECS", 600.0, positive=False)
 DRAIN_TIMEOUT_SECS = env_float("DRAIN_TIMEOUT_SECS", 300.0)
 SHUTDOWN_GRACE_SECS = env_float("SHUTDOWN_GRACE_SECS", 30.0, positive=False)

@@ -8,9 +8,13 @@ request sent here directly.
 
 Endpoints:
 
-- ``POST /v1/chat/completions``, ``/v1/responses``, ``/v1/messages``: JSON with usage,
-  or with ``"stream": true`` server-sent events in each API's real shape, usage
-  included (chat: a final ``choices: []`` chunk, then ``data: [DONE]``);
+- ``POST /v1/chat/completions``, ``/v1/responses``, ``/v1/messages``,
+  ``/v1/completions``: JSON with usage, or with ``"stream": true`` server-sent events
+  in each API's real shape, usage included (chat and completions: a final
+  ``choices: []`` chunk, then ``data: [DONE]``);
+- ``POST /v1/embeddings`` (a 4-dimensional vector per input), ``/v1/messages/count_tokens``,
+  ``/v1/rerank`` and ``/v1/score`` (llama-server / vLLM shapes), ``/v1/audio/speech``
+  (a few bytes of ``audio/mpeg``, for operator-added routes);
 - ``GET /v1/models`` (OpenAI list), ``GET /props`` (llama-server ``total_slots``),
   ``GET /api/tags`` (Ollama).
 
@@ -266,7 +270,12 @@ class FakeUpstream:
             self._write_json(writer, status, document)
             rec.finished.set()
             return True
-        if rec.path not in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        if rec.path in _ONE_SHOT:
+            status, content_type, answer = _ONE_SHOT[rec.path](rec.body)
+            self._write_json(writer, status, answer, content_type=content_type)
+            rec.finished.set()
+            return True
+        if rec.path not in _GENERATING:
             self._write_json(writer, 404, {"error": {"message": "not found", "type": "x"}})
             rec.finished.set()
             return True
@@ -314,12 +323,18 @@ class FakeUpstream:
         return 404, {"error": {"message": f"no route for {path}", "type": "not_found"}}
 
     def _write_json(
-        self, writer: asyncio.StreamWriter, status: int, document: Any, *, close: bool = False
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        document: Any,
+        *,
+        close: bool = False,
+        content_type: str = "application/json",
     ) -> None:
         body = document if isinstance(document, bytes) else _json.encode(document)
         head = (
             f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n"
             f"x-mock-upstream: 1\r\n"
         )
         if close:
@@ -402,6 +417,80 @@ class FakeUpstream:
         return False  # close-delimited: the end of the body is the end of the connection
 
 
+_GENERATING = ("/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/completions")
+
+
+class _Inputs(msgspec.Struct):
+    model: str = "mock-model"
+    input: Any = None
+    query: str = ""
+    documents: list[Any] = []
+    text_1: Any = None
+    text_2: Any = None
+    messages: list[Any] = []
+
+
+_inputs_decoder = msgspec.json.Decoder(_Inputs)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
+
+
+def _embeddings(body: bytes) -> tuple[int, str, Any]:
+    req = _inputs_decoder.decode(body)
+    inputs = _as_list(req.input)
+    data = [
+        {"object": "embedding", "index": i, "embedding": [0.25 * (i + 1), 0.5, -0.5, 1.0]}
+        for i in range(len(inputs))
+    ]
+    usage = {"prompt_tokens": 3 * len(inputs), "total_tokens": 3 * len(inputs)}
+    return (
+        200,
+        "application/json",
+        {"object": "list", "data": data, "model": req.model, "usage": usage},
+    )
+
+
+def _count_tokens(body: bytes) -> tuple[int, str, Any]:
+    req = _inputs_decoder.decode(body)
+    return 200, "application/json", {"input_tokens": 7 * max(1, len(req.messages))}
+
+
+def _rerank(body: bytes) -> tuple[int, str, Any]:
+    req = _inputs_decoder.decode(body)
+    results = [
+        {"index": i, "relevance_score": 1.0 / (i + 1), "document": {"text": str(doc)}}
+        for i, doc in enumerate(req.documents)
+    ]
+    return (
+        200,
+        "application/json",
+        {"model": req.model, "results": results, "usage": {"total_tokens": 5 * len(results)}},
+    )
+
+
+def _score(body: bytes) -> tuple[int, str, Any]:
+    req = _inputs_decoder.decode(body)
+    pairs = _as_list(req.text_2)
+    data = [{"index": i, "object": "score", "score": 0.5} for i in range(len(pairs))]
+    return 200, "application/json", {"object": "list", "model": req.model, "data": data}
+
+
+def _speech(body: bytes) -> tuple[int, str, Any]:
+    return 200, "audio/mpeg", b"ID3\x04mock-audio"
+
+
+#: Endpoints answered in one write, never streamed: path -> answer(body).
+_ONE_SHOT: dict[str, Callable[[bytes], tuple[int, str, Any]]] = {
+    "/v1/embeddings": _embeddings,
+    "/v1/messages/count_tokens": _count_tokens,
+    "/v1/rerank": _rerank,
+    "/v1/score": _score,
+    "/v1/audio/speech": _speech,
+}
+
+
 def _error_document(path: str) -> Any:
     if path == "/v1/messages":
         return {
@@ -426,6 +515,16 @@ def _document(path: str, model: str, tokens: int, prompt: int) -> dict[str, Any]
         }
     if path == "/v1/responses":
         return _response_object(model, "completed", [_message_item(text)], prompt, tokens)
+    usage = {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+    if path == "/v1/completions":
+        return {
+            "id": "cmpl-mock",
+            "object": "text_completion",
+            "created": CREATED,
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}],
+            "usage": usage,
+        }
     return {
         "id": "chatcmpl-mock",
         "object": "chat.completion",
@@ -494,14 +593,24 @@ def _events(path: str, model: str, tokens: int, prompt: int, include_usage: bool
         return _anthropic_events(model, tokens, prompt)
     if path == "/v1/responses":
         return _responses_events(model, tokens, prompt)
-    base = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": CREATED}
-    base["model"] = model
+    if path == "/v1/completions":
+        base = {"id": "cmpl-mock", "object": "text_completion", "created": CREATED}
+        base["model"] = model
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        return _sse(base | {"choices": [choice]})
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            choice = {"index": 0, "text": delta.get("content", ""), "logprobs": None}
+            return _sse(base | {"choices": [choice | {"finish_reason": finish}]})
 
-    events = [chunk({"role": "assistant", "content": ""})]
+        events = []
+    else:
+        base = {"id": "chatcmpl-mock", "object": "chat.completion.chunk", "created": CREATED}
+        base["model"] = model
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            return _sse(base | {"choices": [choice]})
+
+        events = [chunk({"role": "assistant", "content": ""})]
     events += [chunk({"content": token_text(i)}) for i in range(tokens)]
     events.append(chunk({}, "stop"))
     if include_usage:

@@ -57,7 +57,7 @@ class ProviderAdmin(admin.ModelAdmin):
     actions = ("rotate_secret", "rotate_secret_and_disconnect", "enable", "disable")
     fieldsets = (
         (None, {"fields": ("name", "enabled", "description", "secret_prefix")}),
-        ("Models", {"fields": ("declared_models", "exclusive_models")}),
+        ("Models", {"fields": ("declared_models", "exclusive_models", "model_aliases")}),
         (
             "Limits (empty = server default)",
             {

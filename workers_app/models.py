@@ -21,6 +21,19 @@ def validate_provider_name(value: str) -> None:
         )
 
 
+def parse_aliases(text: str) -> dict[str, str]:
+    """``public name = backend model id``, one per line (``:`` works too)."""
+    aliases: dict[str, str] = {}
+    for number, line in enumerate((text or "").splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        public, sep, target = line.replace(":", "=", 1).partition("=")
+        if not sep or not public.strip() or not target.strip():
+            raise ValidationError(f"line {number}: write 'public name = backend model id'")
+        aliases[public.strip()] = target.strip()
+    return aliases
+
+
 def split_models(text: str) -> list[str]:
     """Declared models are entered one per line or comma-separated."""
     out: list[str] = []
@@ -48,6 +61,12 @@ class Provider(models.Model):
         "comma-separated). A worker of another provider that advertises one is not acked "
         "for it, so it never receives that model's traffic. Leave empty when one provider "
         "serves everything.",
+    )
+    model_aliases = models.TextField(
+        blank=True,
+        help_text="Public model names clients may use for this provider's models, one per "
+        "line as 'public name = backend model id' (e.g. 'gpt-4o-mini = qwen2.5-7b-instruct'). "
+        "The request body a worker gets names the backend model; /v1/models lists both.",
     )
     max_queue_len = models.PositiveIntegerField(
         null=True,
@@ -102,7 +121,18 @@ class Provider(models.Model):
     def exclusive_model_list(self) -> list[str]:
         return split_models(self.exclusive_models)
 
+    @property
+    def alias_map(self) -> dict[str, str]:
+        try:
+            return parse_aliases(self.model_aliases)
+        except ValidationError:
+            return {}  # refused by clean(); never routed half-parsed
+
     def clean(self) -> None:
+        try:
+            parse_aliases(self.model_aliases)
+        except ValidationError as exc:
+            raise ValidationError({"model_aliases": exc.messages}) from None
         claimed = set(self.exclusive_model_list)
         if not claimed:
             return

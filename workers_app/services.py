@@ -26,6 +26,7 @@ def provider_policy(provider: Provider, config: RelayConfig) -> ProviderPolicy:
         enabled=provider.enabled,
         declared_models=frozenset(provider.declared_model_list),
         exclusive_models=frozenset(provider.exclusive_model_list),
+        aliases=provider.alias_map,
         max_queue_len=provider.max_queue_len,
         queue_timeout=provider.queue_timeout_secs,
         request_timeout=provider.request_timeout_secs,

@@ -43,6 +43,8 @@ class RelayConfig:
     require_protocol_version: bool = False
     #: How many finished-request records are kept for the request log writer.
     record_buffer: int = 10_000
+    #: Public model name -> backend model id, for every provider (MODEL_ALIASES).
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,8 @@ class ProviderPolicy:
     declared_models: frozenset[str] = field(default_factory=frozenset)
     #: Models only this provider's workers may serve (see SPEC §4, model squatting).
     exclusive_models: frozenset[str] = field(default_factory=frozenset)
+    #: Public model name -> this provider's backend model id (before the server's).
+    aliases: dict[str, str] = field(default_factory=dict)
     max_queue_len: int = 100
     queue_timeout: float = 30.0
     request_timeout: float = 300.0
@@ -68,6 +72,7 @@ class ProviderPolicy:
         enabled: bool = True,
         declared_models: frozenset[str] | None = None,
         exclusive_models: frozenset[str] | None = None,
+        aliases: dict[str, str] | None = None,
         max_queue_len: int | None = None,
         queue_timeout: float | None = None,
         request_timeout: float | None = None,
@@ -78,6 +83,7 @@ class ProviderPolicy:
             enabled=enabled,
             declared_models=declared_models or frozenset(),
             exclusive_models=exclusive_models or frozenset(),
+            aliases=dict(aliases or {}),
             max_queue_len=config.max_queue_len if max_queue_len is None else max_queue_len,
             queue_timeout=config.queue_timeout if queue_timeout is None else queue_timeout,
             request_timeout=config.request_timeout if request_timeout is None else request_timeout,

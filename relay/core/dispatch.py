@@ -26,6 +26,9 @@ import logging
 import secrets
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
 
 from relay.core.config import ProviderPolicy, RelayConfig
 from relay.core.queue import ProviderQueue
@@ -51,6 +54,17 @@ from relay.wire.errors import (
 from relay.wire.protocol import CancelReason
 
 logger = logging.getLogger("relay")
+
+_json_decode = msgspec.json.Decoder(dict[str, Any]).decode
+_json_encode = msgspec.json.Encoder().encode
+
+
+def rewrite_model(body: str, model: str) -> str:
+    """``body`` (a JSON object) with its ``model`` replaced, everything else kept."""
+    document = _json_decode(body)
+    document["model"] = model
+    return _json_encode(document).decode()
+
 
 Observer = Callable[[RequestRecord], None]
 
@@ -167,41 +181,48 @@ class Dispatcher:
         for worker in self.registry.of_provider(name):
             self.close_worker(worker, 1008, reason)
 
-    def _candidates(self, model: str) -> list[ProviderState]:
-        """Enabled providers that can serve ``model``, best first; raises when none.
+    def resolve(self, provider: ProviderState, model: str) -> str:
+        """The backend model id ``model`` names at ``provider``: its own alias, else the
+        server-wide alias, else the name itself."""
+        return provider.policy.aliases.get(model) or self.config.aliases.get(model) or model
+
+    def _candidates(self, model: str) -> list[tuple[ProviderState, str]]:
+        """Enabled providers that can serve ``model`` (with the model id it names there,
+        after aliases), best first; raises when none.
 
         Preference: a connected worker advertises it, then the provider declares it,
         then a worker advertised it within ``model_memory``. A model one provider
         declared exclusive is routed to that provider only.
         """
         now = self.loop.time()
-        ranked: list[tuple[int, str, ProviderState]] = []
+        ranked: list[tuple[int, str, ProviderState, str]] = []
         disabled = False
-        owner = self.reserved.get(model)
         for name, state in self.providers.items():
+            target = self.resolve(state, model)
+            owner = self.reserved.get(target)
             if owner is not None and name != owner:
                 continue
-            if self.registry.serving(name, model):
+            if self.registry.serving(name, target):
                 rank = 0
-            elif model in state.policy.declared_models or owner == name:
+            elif target in state.policy.declared_models or owner == name:
                 rank = 1
-            elif self.registry.remembers(name, model, now):
+            elif self.registry.remembers(name, target, now):
                 rank = 2
             else:
                 continue
             if not state.policy.enabled:
                 disabled = True
                 continue
-            ranked.append((rank, name, state))
+            ranked.append((rank, name, state, target))
         if not ranked:
             if disabled:
                 raise ProviderDisabled()
             raise ModelNotFound(model)
         ranked.sort(key=lambda item: (item[0], item[1]))
-        return [state for _, _, state in ranked]
+        return [(state, target) for _, _, state, target in ranked]
 
     def routable_models(self) -> dict[str, set[str]]:
-        """Models a request could be routed for now: model -> providers."""
+        """Models a request could be routed for now, aliases included: model -> providers."""
         out: dict[str, set[str]] = {}
         reserved = self.reserved
         for name, state in self.providers.items():
@@ -215,6 +236,11 @@ class Dispatcher:
                 live = self.providers.get(name)
                 if live is not None and live.policy.enabled:
                     out.setdefault(model, set()).add(name)
+        for name, state in self.providers.items():
+            aliases = {**self.config.aliases, **state.policy.aliases}
+            for alias, target in aliases.items():
+                if name in out.get(target, ()):
+                    out.setdefault(alias, set()).add(name)
         return out
 
     def queue_depth(self, provider: str | None = None) -> int:
@@ -241,25 +267,14 @@ class Dispatcher:
         try:
             if self.shutting_down:
                 raise ShuttingDown()
-            frame = protocol.Request(
-                request_id=request_id,
-                model=model,
-                endpoint_path=endpoint_path,
-                is_streaming=is_streaming,
-                body=body,
-                headers=headers,
-            )
-            if not protocol.frame_fits(frame, self.config.max_message_bytes):
-                # A worker could never receive it: refuse it here rather than have
-                # the send fail on every worker it is tried on.
-                raise PayloadTooLarge("Request is too large to relay to a worker")
+            self._check_frame(request_id, model, endpoint_path, is_streaming, body, headers)
             candidates = self._candidates(model)
         except RelayError as exc:
             self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
             raise
         now = self.loop.time()
         self._seq += 1
-        primary = candidates[0]
+        primary, primary_target = candidates[0]
         request = RelayRequest(
             id=request_id,
             seq=self._seq,
@@ -275,10 +290,10 @@ class Dispatcher:
             now=now,
             deadline=now + primary.policy.request_timeout,
         )
-        for state in candidates:
-            worker = self.registry.select(state.policy.name, model)
+        for state, target in candidates:
+            worker = self.registry.select(state.policy.name, target)
             if worker is not None:
-                request.provider = state.policy.name
+                self._aim(request, state, target)
                 self.active += 1
                 self._assign(request, worker, now)
                 return request
@@ -287,9 +302,43 @@ class Dispatcher:
             full = QueueFull()
             self.record_rejection(full, model, endpoint_path, is_streaming, key_id)
             raise full
+        self._aim(request, primary, primary_target)
         self.active += 1
         self._enqueue(primary, request, now)
         return request
+
+    def _check_frame(
+        self,
+        request_id: str,
+        model: str,
+        endpoint_path: str,
+        is_streaming: bool,
+        body: str,
+        headers: dict[str, str],
+    ) -> None:
+        frame = protocol.Request(
+            request_id=request_id,
+            model=model,
+            endpoint_path=endpoint_path,
+            is_streaming=is_streaming,
+            body=body,
+            headers=headers,
+        )
+        if not protocol.frame_fits(frame, self.config.max_message_bytes):
+            # A worker could never receive it: refuse it here rather than have the
+            # send fail on every worker it is tried on.
+            raise PayloadTooLarge("Request is too large to relay to a worker")
+
+    def _aim(self, request: RelayRequest, state: ProviderState, target: str) -> None:
+        """Route ``request`` to ``state``'s provider as model ``target``.
+
+        When an alias applied, the body the worker gets names the backend's model;
+        otherwise the client's raw body goes through untouched.
+        """
+        request.provider = state.policy.name
+        if target != request.model:
+            request.model = target
+            request.body = rewrite_model(request.body, target)
 
     def cancel(self, request: RelayRequest, reason: CancelReason = "client_disconnect") -> None:
         """End ``request`` because its client left (or the edge gave up on it).

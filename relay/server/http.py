@@ -18,16 +18,20 @@ STALL_TIMEOUT_SECS cuts the client off.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import functools
 import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 
 from relay import __version__
 from relay.core.relay import Relay
+from relay.core.routes import parse_routes
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server import runtime
 from relay.server.metrics import CONTENT_TYPE
@@ -37,9 +41,11 @@ from relay.wire.errors import (
     HeadersTooLarge,
     MethodNotAllowed,
     ModelNotFound,
+    NotFound,
     PayloadTooLarge,
     RelayError,
     UnsupportedMediaType,
+    UpgradeRequired,
     error_response,
 )
 from relay.wire.headers import forwarded_request_headers, response_headers
@@ -50,11 +56,17 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[..., Awaitable[None]]
 
-INFERENCE_ROUTES: dict[str, Flavor] = {
-    "/v1/chat/completions": "openai",
-    "/v1/responses": "responses",
-    "/v1/messages": "anthropic",
-}
+
+@functools.cache
+def route_table() -> dict[str, Flavor]:
+    """The forwarded routes (relay/core/routes.py), from ``RELAY_ROUTES``."""
+    from django.conf import settings
+
+    return parse_routes(settings.RELAY_ROUTES)
+
+
+#: Worker WebSocket endpoints: over plain HTTP they answer 426.
+WORKER_PATHS = ("/v1/worker/connect", "/v1/worker/legacy")
 
 #: Limits on a request's headers (daphne's Twisted parser enforces the same ones, see
 #: modelrelay_site.daphne_compat): beyond either the answer is 431.
@@ -187,7 +199,7 @@ def before_body(
     loaded yet: the application checks again once they are).
     """
     if method != "POST":
-        raise MethodNotAllowed(f"Use POST for {path}")
+        raise MethodNotAllowed(f"Use POST for {path}", allow="POST")
     key_id: int | None = None
     relay_auth: frozenset[str] = frozenset()
     if check_key:
@@ -204,6 +216,14 @@ def before_body(
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
     return key_id, relay_auth
+
+
+def _looks_anthropic(scope: Scope, path: str) -> bool:
+    return (
+        path.startswith("/v1/messages")
+        or _header(scope, b"anthropic-version") is not None
+        or _header(scope, b"x-api-key") is not None
+    )
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -231,7 +251,7 @@ class RelayHttpApp:
             await self.fallback(scope, receive, send)
             return
         path: str = scope["path"]
-        flavor = INFERENCE_ROUTES.get(path)
+        flavor = route_table().get(path)
         headers = scope["headers"]
         if len(headers) > MAX_HEADER_COUNT or (
             sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES
@@ -252,6 +272,8 @@ class RelayHttpApp:
                 await self._models(scope, send, path)
             elif path == "/metrics":
                 await self._metrics(scope, send)
+            elif path.startswith("/v1/"):
+                await self._unknown(scope, send, path)
             else:
                 await self.fallback(scope, receive, send)
                 return
@@ -311,6 +333,16 @@ class RelayHttpApp:
 
     # -- small JSON routes -----------------------------------------------------
 
+    async def _unknown(self, scope: Scope, send: Send, path: str) -> None:
+        """Every other ``/v1/`` path: JSON in the envelope the client speaks, never HTML."""
+        flavor: Flavor = "anthropic" if _looks_anthropic(scope, path) else "openai"
+        err: RelayError
+        if path in WORKER_PATHS:
+            err = UpgradeRequired()
+        else:
+            err = NotFound(f"No route for {scope['method']} {path[:200]}")
+        await _send_error(send, err, flavor)
+
     async def _health(self, scope: Scope, send: Send) -> None:
         rt = runtime.current()
         relay = rt.relay
@@ -347,43 +379,63 @@ class RelayHttpApp:
         await rt.ready()
         try:
             if scope["method"] not in ("GET", "HEAD"):
-                raise MethodNotAllowed("Use GET for /v1/models")
+                raise MethodNotAllowed("Use GET for /v1/models", allow="GET, HEAD")
             rt.authenticate(scope["headers"], flavor)
-        except RelayError as err:
-            await _send_error(send, err, flavor, cors)
-            return
-        models = rt.relay.routable_models()
-        created = int(rt.relay.started_wall)
+            models = rt.relay.routable_models()
+            created = int(rt.relay.started_wall)
 
-        def describe(model: str) -> dict[str, Any]:
-            if anthropic:
-                return {
-                    "type": "model",
-                    "id": model,
-                    "display_name": model,
-                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
-                }
-            owner = ",".join(sorted(models[model]))
-            return {"id": model, "object": "model", "created": created, "owned_by": owner}
+            def describe(model: str) -> dict[str, Any]:
+                if anthropic:
+                    return {
+                        "type": "model",
+                        "id": model,
+                        "display_name": model,
+                        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
+                    }
+                owner = ",".join(sorted(models[model]))
+                return {"id": model, "object": "model", "created": created, "owned_by": owner}
 
-        if path in ("/v1/models", "/v1/models/"):
-            data = [describe(m) for m in sorted(models)]
+            if path not in ("/v1/models", "/v1/models/"):
+                model_id = path[len("/v1/models/") :]
+                if model_id not in models:
+                    raise ModelNotFound(model_id)
+                await _send_json(send, 200, describe(model_id), cors)
+                return
+            names = sorted(models)
             if anthropic:
+                page, has_more = anthropic_page(names, scope.get("query_string", b""))
+                data = [describe(m) for m in page]
                 document: dict[str, Any] = {
                     "data": data,
-                    "has_more": False,
+                    "has_more": has_more,
                     "first_id": data[0]["id"] if data else None,
                     "last_id": data[-1]["id"] if data else None,
                 }
             else:
-                document = {"object": "list", "data": data}
-            await _send_json(send, 200, document, cors)
+                document = {"object": "list", "data": [describe(m) for m in names]}
+        except RelayError as err:
+            await _send_error(send, err, flavor, cors)
             return
-        model_id = path[len("/v1/models/") :]
-        if model_id not in models:
-            await _send_error(send, ModelNotFound(model_id), flavor, cors)
-            return
-        await _send_json(send, 200, describe(model_id), cors)
+        await _send_json(send, 200, document, cors)
+
+
+def anthropic_page(names: list[str], query: bytes) -> tuple[list[str], bool]:
+    """One page of the (sorted) model names as Anthropic's list API pages them:
+    ``limit`` (1-1000, default 20), ``after_id`` or ``before_id``; and whether more
+    lie beyond it in that direction."""
+    params = parse_qs(query.decode("latin-1"))
+    raw_limit = (params.get("limit") or ["20"])[0]
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
+        raise BadRequest("limit must be an integer from 1 to 1000")
+    limit = int(raw_limit)
+    after = params.get("after_id", [None])[0]
+    before = params.get("before_id", [None])[0]
+    if before is not None:
+        end = bisect.bisect_left(names, before)
+        start = max(0, end - limit)
+        return names[start:end], start > 0
+    start = bisect.bisect_right(names, after) if after is not None else 0
+    return names[start : start + limit], start + limit < len(names)
 
 
 async def respond(

@@ -51,6 +51,7 @@ def relay_config() -> RelayConfig:
         stream_buffer_bytes=s.STREAM_BUFFER_BYTES,
         stream_buffer_total_bytes=s.STREAM_BUFFER_TOTAL_BYTES,
         stall_timeout=s.STALL_TIMEOUT_SECS,
+        aliases=dict(s.MODEL_ALIASES),
         model_memory=s.MODEL_MEMORY_SECS,
         drain_timeout=s.DRAIN_TIMEOUT_SECS,
         shutdown_grace=s.SHUTDOWN_GRACE_SECS,

@@ -7,8 +7,10 @@ Hierarchy::
     │   ├── BadRequest              (400)
     │   ├── Unauthorized            (401)
     │   ├── ModelNotFound           (404)
-    │   ├── MethodNotAllowed        (405)
+    │   ├── NotFound                (404, a path the relay does not serve)
+    │   ├── MethodNotAllowed        (405, with Allow)
     │   ├── PayloadTooLarge         (413)
+    │   ├── UpgradeRequired         (426)
     │   ├── UnsupportedMediaType    (415)
     │   ├── QueueFull               (429)
     │   └── HeadersTooLarge         (431)
@@ -50,6 +52,8 @@ class RelayError(Exception):
 
     def __init__(self, message: str | None = None) -> None:
         self.message = message or self.default_message
+        #: Extra response headers this error needs (``Allow`` on a 405).
+        self.headers: list[tuple[bytes, bytes]] = []
         super().__init__(self.message)
 
 
@@ -91,6 +95,32 @@ class MethodNotAllowed(ClientError):
     status = 405
     code = "method_not_allowed"
     default_message = "Method not allowed"
+
+    def __init__(self, message: str | None = None, *, allow: str = "") -> None:
+        super().__init__(message)
+        if allow:
+            self.headers.append((b"allow", allow.encode()))
+
+
+class NotFound(ClientError):
+    """A path the relay does not serve."""
+
+    status = 404
+    anthropic_type = "not_found_error"
+    code = "not_found"
+    default_message = "Not found"
+
+
+class UpgradeRequired(ClientError):
+    """Plain HTTP on a worker's WebSocket endpoint."""
+
+    status = 426
+    code = "upgrade_required"
+    default_message = "This endpoint takes WebSocket connections from workers"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message)
+        self.headers.append((b"upgrade", b"websocket"))
 
 
 class PayloadTooLarge(ClientError):
@@ -242,6 +272,7 @@ def error_response(err: RelayError, flavor: Flavor) -> tuple[int, list[tuple[byt
     ]
     if err.retry_after is not None:
         headers.append((b"retry-after", str(err.retry_after).encode()))
+    headers.extend(err.headers)
     return err.status, headers, body
 
 
