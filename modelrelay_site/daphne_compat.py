@@ -244,6 +244,8 @@ def _refused_before_body(channel: Any) -> bytes | None:
     if flavor is None or channel.length == 0 or channel._command == b"OPTIONS":
         return None
     request = channel.requests[-1]
+    if request.requestHeaders.hasHeader(b"x-modelrelay-cluster"):
+        return None  # placed here by another process: the application checks its token
     headers = [
         (name.lower(), value)
         for name, values in request.requestHeaders.getAllRawHeaders()

@@ -91,7 +91,7 @@ class Serving:
             loop.add_signal_handler(sig, self._on_signal)
         # Start the relay now (provider sync, bookkeeping, cluster membership) rather
         # than on the first request.
-        runtime.current()
+        runtime.current().listening(host, port)
         self.on_ready(host, port)
 
     def _on_signal(self) -> None:

@@ -146,6 +146,9 @@ MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 
 REDIS_URL = env_str("REDIS_URL", "")
 REDIS_PREFIX = env_str("REDIS_PREFIX", "modelrelay")
+# Cluster mode: the URL at which the other server processes reach this one (default:
+# http://<listen host>:<port>, the host name when listening on all interfaces).
+CLUSTER_ADVERTISE_URL = env_str("CLUSTER_ADVERTISE_URL", "")
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {

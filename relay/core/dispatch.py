@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from relay.core.config import ProviderPolicy, RelayConfig
+from relay.core.placement import Placement
 from relay.core.queue import ProviderQueue
 from relay.core.registry import Registry
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
@@ -50,6 +51,7 @@ from relay.wire.errors import (
     ShuttingDown,
     SlowClient,
     WorkerLost,
+    WorkerUnavailable,
 )
 from relay.wire.protocol import CancelReason
 
@@ -98,6 +100,10 @@ class Dispatcher:
         self._drain_timers: dict[str, asyncio.TimerHandle] = {}
         #: model -> the provider that declared it exclusive (the first by name, if two do).
         self.reserved: dict[str, str] = {}
+        #: Cluster mode (SPEC §11): where requests are placed; None in a single process.
+        self.placement: Placement | None = None
+        #: Cluster mode: provider -> models served by workers of other processes.
+        self.remote_models: dict[str, frozenset[str]] = {}
 
     # ------------------------------------------------------------------ providers
 
@@ -202,7 +208,7 @@ class Dispatcher:
             owner = self.reserved.get(target)
             if owner is not None and name != owner:
                 continue
-            if self.registry.serving(name, target):
+            if self.registry.serving(name, target) or target in self.remote_models.get(name, ()):
                 rank = 0
             elif target in state.policy.declared_models or owner == name:
                 rank = 1
@@ -231,7 +237,11 @@ class Dispatcher:
             for model in state.policy.declared_models | state.policy.exclusive_models:
                 if reserved.get(model, name) == name:
                     out.setdefault(model, set()).add(name)
-        for model, names in self.registry.models().items():
+        served = self.registry.models()
+        for name, models in self.remote_models.items():
+            for model in models:
+                served.setdefault(model, set()).add(name)
+        for model, names in served.items():
             for name in names:
                 live = self.providers.get(name)
                 if live is not None and live.policy.enabled:
@@ -290,6 +300,15 @@ class Dispatcher:
             now=now,
             deadline=now + primary.policy.request_timeout,
         )
+        if self.clustered:
+            # Any worker of the cluster: the placement reserves one or queues the
+            # request in the shared queue; meanwhile it waits here, deadlines armed.
+            self._aim(request, primary, primary_target)
+            self.active += 1
+            self._enqueue(primary, request, now)
+            assert self.placement is not None
+            self.placement.place(request)
+            return request
         for state, target in candidates:
             worker = self.registry.select(state.policy.name, target)
             if worker is not None:
@@ -305,6 +324,98 @@ class Dispatcher:
         self._aim(request, primary, primary_target)
         self.active += 1
         self._enqueue(primary, request, now)
+        return request
+
+    @property
+    def clustered(self) -> bool:
+        """True while requests are placed across the cluster (see :mod:`relay.core.placement`)."""
+        return self.placement is not None and self.placement.active
+
+    def assign_to(self, request: RelayRequest, worker: Worker) -> bool:
+        """Give a waiting request the slot the placement reserved for it on ``worker``
+        (a local worker, or a stand-in for one on another process). False when the
+        request is no longer waiting (it ended meanwhile): the caller releases the slot.
+        """
+        if request.phase is not Phase.QUEUED:
+            return False
+        state = self.providers.get(request.provider)
+        if state is not None:
+            state.queue.remove(request)
+        if worker.remote:
+            request.relay_role = "origin"
+        self._assign(request, worker, self.loop.time())
+        return True
+
+    def set_remote_models(self, models: dict[str, frozenset[str]]) -> None:
+        """Cluster mode: what the workers of the other processes serve now. A model that
+        left is remembered for MODEL_MEMORY_SECS, like a local worker's."""
+        now = self.loop.time()
+        for provider, before in self.remote_models.items():
+            for model in before - models.get(provider, frozenset()):
+                if not self.registry.serving(provider, model):
+                    self.registry.remember(provider, model, now)
+        self.remote_models = models
+
+    def waiting_requests(self) -> list[RelayRequest]:
+        """Every request waiting in this process's queues, oldest first per provider."""
+        return [request for state in self.providers.values() for request in state.queue]
+
+    def dispatch_waiting(self) -> None:
+        """Place what waits here on this process's workers (the cluster is unreachable)."""
+        if not self.clustered:
+            for state in self.providers.values():
+                self._dispatch_queue(state)
+
+    def fail_waiting(self, request: RelayRequest, error: RelayError) -> None:
+        """End a waiting request the placement could not queue (the shared queue is full)."""
+        if request.phase is not Phase.QUEUED:
+            return
+        state = self.providers.get(request.provider)
+        if state is not None:
+            state.queue.remove(request)
+        self._finish(request, error)
+
+    def submit_pinned(
+        self,
+        *,
+        worker_id: str,
+        lease: str,
+        model: str,
+        endpoint_path: str,
+        flavor: Flavor,
+        is_streaming: bool,
+        body: str,
+        headers: dict[str, str],
+        key_id: int | None,
+        lifetime: float,
+    ) -> RelayRequest:
+        """Admit a request another process placed on one of our workers (its slot is
+        reserved under ``lease``). Raises :class:`WorkerUnavailable` when that worker can
+        no longer take it; the other process then places the request again."""
+        worker = self.registry.workers.get(worker_id)
+        if worker is None or not worker.attached or worker.draining or self.shutting_down:
+            raise WorkerUnavailable(spend=False)
+        now = self.loop.time()
+        self._seq += 1
+        request = RelayRequest(
+            id=f"r-{self.instance}-{self._seq:x}",
+            seq=self._seq,
+            provider=worker.provider,
+            model=model,
+            endpoint_path=endpoint_path,
+            flavor=flavor,
+            is_streaming=is_streaming,
+            body=body,
+            headers=headers,
+            key_id=key_id,
+            created_wall=time.time(),
+            now=now,
+            deadline=now + lifetime,
+        )
+        request.lease = lease
+        request.relay_role = "worker"
+        self.active += 1
+        self._assign(request, worker, now)
         return request
 
     def _check_frame(
@@ -429,7 +540,7 @@ class Dispatcher:
                 reason = "client_disconnect"  # the nearest reason every worker knows
             worker.link.send(protocol.Cancel(request_id=request.id, reason=reason))
             self.stats.cancels[reason] += 1
-            self._freed(worker)
+            self._freed(worker, request.lease)
 
     def _arm(self, request: RelayRequest, when: float) -> None:
         if request.timer is not None:
@@ -462,6 +573,8 @@ class Dispatcher:
     ) -> None:
         if request.phase is Phase.DONE:
             return
+        if request.phase is Phase.QUEUED and self.placement is not None:
+            self.placement.withdraw(request)
         request.phase = Phase.DONE
         if request.timer is not None:
             request.timer.cancel()
@@ -522,6 +635,8 @@ class Dispatcher:
         if not worker.attached:
             return
         self.registry.remove(worker, self.loop.time())
+        if self.placement is not None:
+            self.placement.worker_gone(worker)
         timer = self._drain_timers.pop(worker.id, None)
         if timer is not None:
             timer.cancel()
@@ -544,7 +659,11 @@ class Dispatcher:
         """
         now = self.loop.time()
         state = self.providers.get(request.provider)
-        if request.delivered:
+        if request.relay_role == "worker":
+            # Placed here by another process: that process owns the request and puts
+            # it back in the queue (or ends its stream) when told.
+            self._finish(request, WorkerLost() if request.delivered else WorkerUnavailable(spend))
+        elif request.delivered:
             # Bytes already reached the client: replaying would duplicate output.
             self._finish(request, WorkerLost())
         elif state is None:
@@ -565,7 +684,12 @@ class Dispatcher:
             request.buffer.clear()
             request.streamed_bytes = 0
             logger.info("request requeued: %s (requeue %d)", request.id, request.requeues)
+            request.lease = None
             self._enqueue(state, request, now)
+            if self.clustered:
+                assert self.placement is not None
+                self.placement.place(request)
+                return False  # placed by the placement, not by a local dispatch
             return True
         return False
 
@@ -578,15 +702,21 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ capacity
 
-    def _freed(self, worker: Worker) -> None:
-        """A slot on ``worker`` may have opened: close it if drained, else feed it."""
-        if not worker.attached:
-            return
+    def _freed(self, worker: Worker, lease: str | None = None) -> None:
+        """A slot on ``worker`` may have opened (the request holding ``lease`` just left
+        it): close the worker if drained, else feed it — from the shared queue in
+        cluster mode."""
+        if worker.remote or not worker.attached:
+            return  # a stand-in's slots are the owning process's to free
+        placement = self.placement if self.clustered else None
+        if placement is not None:
+            placement.freed(worker, lease)  # releases the lease; no new work if draining
         if worker.draining:
             if not worker.in_flight:
                 self.close_worker(worker, 1000, "worker drained")
             return
-        self._feed(worker)
+        if placement is None:
+            self._feed(worker)
 
     def _feed(self, worker: Worker) -> None:
         """Hand the oldest compatible queued requests to ``worker`` while it has room."""

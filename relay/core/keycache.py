@@ -91,8 +91,9 @@ class KeyCache:
         raise Unauthorized("Missing API key: send Authorization: Bearer <key>")
 
     def observe(self, record: RequestRecord) -> None:
-        """Request observer: count usage per key for the background flush."""
-        if record.key_id is None:
+        """Request observer: count usage per key for the background flush (in cluster
+        mode, where the worker is: that process knows the tokens)."""
+        if record.key_id is None or record.relay_role == "origin":
             return
         usage = self.usage.get(record.key_id)
         if usage is None:

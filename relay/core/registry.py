@@ -117,6 +117,13 @@ class Registry:
                 self._last_seen[key] = now  # re-inserted: the newest entry
         self.forget_expired(now)
 
+    def remember(self, provider: str, model: str, now: float) -> None:
+        """Keep ``model`` known for MODEL_MEMORY_SECS (its last worker, elsewhere, left)."""
+        key = (provider, model)
+        self._last_seen.pop(key, None)
+        self._last_seen[key] = now
+        self.forget_expired(now)
+
     def forget_expired(self, now: float) -> None:
         """Drop remembered models older than the memory, and the oldest beyond the cap."""
         seen = self._last_seen

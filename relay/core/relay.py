@@ -90,7 +90,7 @@ class Relay(Dispatcher):
             concurrency,
         )
         self._ensure_heartbeat()
-        self._feed(worker)
+        self._offer(worker)
         return worker, warnings
 
     def _acceptable(
@@ -113,7 +113,11 @@ class Relay(Dispatcher):
         if request is None:
             self._stray(worker, "response_chunk", request_id)
             return
-        data = chunk.encode()
+        self._take_chunk(worker, request, chunk.encode(), chunk)
+
+    def _take_chunk(
+        self, worker: Worker, request: RelayRequest, data: bytes, text: str | None
+    ) -> None:
         size = len(data)
         request.streamed_bytes += size
         if request.streamed_bytes > self.config.max_stream_bytes:
@@ -130,7 +134,7 @@ class Relay(Dispatcher):
                 self._abandon(request, "stream_limit")
                 self._finish(request, WorkerFailed("The response is too large to relay"))
                 return
-            request.buffer.append(chunk)
+            request.buffer.append(data.decode(errors="replace") if text is None else text)
             return
         if not request.delivered:
             request.delivered = True
@@ -191,7 +195,7 @@ class Relay(Dispatcher):
                 body = "".join(request.buffer) + body
             request.token_counts = message.token_counts
             self._finish(request, Completion(message.status_code, message.headers, body.encode()))
-        self._freed(worker)
+        self._freed(worker, request.lease)
 
     def on_worker_error(self, worker: Worker, message: protocol.Error) -> None:
         if message.request_id is None:
@@ -202,6 +206,7 @@ class Relay(Dispatcher):
             self._stray(worker, "error", message.request_id)
             return
         request.worker = None
+        lease = request.lease  # requeueing takes the request's reservation away
         if message.code == protocol.WORKER_DRAINING:
             # Sent to a worker that was already shutting down: it never started, so
             # it goes back to the front of the queue at no cost to its requeue budget.
@@ -209,6 +214,8 @@ class Relay(Dispatcher):
                 "worker %s is shutting down; %s goes back to the queue", worker.name, request.id
             )
             worker.draining = True
+            if self.placement is not None:
+                self.placement.worker_changed(worker)
             if self._requeue(request, spend=False):
                 self._dispatch_provider(request.provider)
         else:
@@ -216,13 +223,14 @@ class Relay(Dispatcher):
                 "worker %s failed %s: %s", worker.name, request.id, message.message[:500]
             )
             self._finish(request, WorkerFailed())
-        self._freed(worker)
+        self._freed(worker, lease)
 
     def on_pong(self, worker: Worker, current_load: int) -> None:
         worker.last_pong = self.loop.time()
         before = worker.load
         worker.report_load(current_load)
-        if worker.load < before:
+        if worker.load < before and not self.clustered:
+            # (In cluster mode capacity is what the shared reservations say.)
             self._feed(worker)
 
     def on_models_update(
@@ -235,8 +243,43 @@ class Relay(Dispatcher):
         if current_load is not None:
             worker.report_load(current_load)
         logger.info("worker %s models updated: %s", worker.name, ",".join(accepted) or "(none)")
-        self._feed(worker)
+        self._offer(worker)
         return warnings
+
+    def _offer(self, worker: Worker) -> None:
+        """A worker arrived or changed: let it take queued work (here, or anywhere)."""
+        if self.placement is not None:
+            self.placement.worker_changed(worker)
+        if not self.clustered:
+            self._feed(worker)
+
+    # -------------------------------------------------- from another server process
+
+    def on_remote_bytes(self, worker: Worker, request_id: str, data: bytes) -> None:
+        """Streamed bytes of a request another process serves (``worker`` stands in
+        for its worker): the same path as a chunk from a worker connected here."""
+        request = worker.in_flight.get(request_id)
+        if request is not None:
+            self._take_chunk(worker, request, data, None)
+
+    def on_remote_complete(self, worker: Worker, request_id: str, completion: Completion) -> None:
+        """The other process's whole answer (the status and headers it sent the relay,
+        and the body of a response that was not streamed)."""
+        request = worker.in_flight.pop(request_id, None)
+        if request is None:
+            return
+        request.worker = None
+        self._finish(request, completion)
+
+    def on_remote_lost(self, worker: Worker, request_id: str, *, spend: bool) -> None:
+        """The other process could not serve the request (its worker was gone, or the
+        process itself): put it back in the queue while nothing reached the client."""
+        request = worker.in_flight.pop(request_id, None)
+        if request is None:
+            return
+        request.worker = None
+        logger.info("%s lost on %s: placing it again", request.id, worker.name)
+        self._requeue(request, spend=spend)
 
     def _stray(self, worker: Worker, kind: str, request_id: str) -> None:
         self.stats.dropped_frames += 1
@@ -260,6 +303,8 @@ class Relay(Dispatcher):
             timeout = self.config.drain_timeout
         timeout = min(max(timeout, 0.0), MAX_DRAIN_SECS)  # the edges validate; never raise here
         worker.draining = True
+        if self.placement is not None:
+            self.placement.worker_changed(worker)  # no more reservations on it
         logger.info("graceful shutdown: draining %s (%s): %s", worker.name, worker.id, reason)
         worker.link.send(
             protocol.GracefulShutdown(reason=reason, drain_timeout_secs=math.ceil(timeout))

@@ -78,6 +78,7 @@ class RelayRequest:
         "id",
         "is_streaming",
         "key_id",
+        "lease",
         "model",
         "outcome",
         "paused",
@@ -86,6 +87,7 @@ class RelayRequest:
         "provider",
         "queue_deadline",
         "queue_wait",
+        "relay_role",
         "requeues",
         "seq",
         "status",
@@ -150,6 +152,11 @@ class RelayRequest:
         self.token_counts: TokenCounts | None = None
         self.worker_id: str | None = None
         self.worker_name: str | None = None
+        #: Cluster mode: the capacity reservation this request holds (released when
+        #: it leaves its worker), and its part in a request two processes share:
+        #: "origin" where its client is, "worker" where its worker is, "" otherwise.
+        self.lease: str | None = None
+        self.relay_role = ""
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -203,6 +210,7 @@ class RelayRequest:
             requeues=self.requeues,
             created_at=self.created_wall,
             cancel_reason=cancel_reason,
+            relay_role=self.relay_role,
         )
 
     def __repr__(self) -> str:
@@ -247,6 +255,10 @@ class Worker:
     in_flight: dict[str, RelayRequest] = field(default_factory=dict)
     attached: bool = True
     model_set: frozenset[str] = frozenset()
+    #: Cluster mode: a stand-in for a worker connected to another server process
+    #: (``owner``), reached through it; never in the registry.
+    remote: bool = False
+    owner: str = ""
 
     @property
     def load(self) -> int:

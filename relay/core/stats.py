@@ -33,6 +33,11 @@ class RequestRecord:
     requeues: int
     created_at: float
     cancel_reason: str | None = None
+    #: Cluster mode: "origin" (this process had the client, another the worker),
+    #: "worker" (the reverse) or "". Each request is counted once per concern: the
+    #: client-facing process counts outcomes and latencies, the worker's process
+    #: writes the request log, key usage and tokens.
+    relay_role: str = ""
 
     @classmethod
     def rejected(
@@ -100,15 +105,21 @@ class RelayStats:
         return "(other)"
 
     def observe(self, record: RequestRecord) -> None:
+        if record.relay_role == "worker":
+            self._count_tokens(record, self.model_label(record.model))
+            return
         self.by_outcome[record.outcome] += 1
         # Clients can send any model name; only routable ones become label values.
         model = "(unknown)" if record.outcome in _UNROUTED else self.model_label(record.model)
         self.by_endpoint_model_outcome[(record.endpoint, model, record.outcome)] += 1
+        self._count_tokens(record, model)
+        self.recent.append(record)
+
+    def _count_tokens(self, record: RequestRecord, model: str) -> None:
         if record.prompt_tokens:
             self.tokens[(model, "prompt")] += record.prompt_tokens
         if record.completion_tokens:
             self.tokens[(model, "completion")] += record.completion_tokens
-        self.recent.append(record)
 
     @property
     def total(self) -> int:

@@ -127,6 +127,9 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
         "dropped": rt.bookkeeper.dropped,
         "write_failures": rt.bookkeeper.failures,
     }
+    if rt.placement is not None:
+        # Counters above are this process's; the cluster's shared queue is one for all.
+        document["cluster"] = rt.placement.describe()
     return document
 
 

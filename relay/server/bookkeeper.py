@@ -96,6 +96,8 @@ class Bookkeeper:
         self._db = _DatabaseThread()
 
     def observe(self, record: RequestRecord) -> None:
+        if record.relay_role == "origin":
+            return  # the process with the worker writes the row: it has the tokens
         if len(self.pending) == self.pending.maxlen:
             self.dropped += 1  # the oldest unwritten record falls off; counted, not fatal
         self.pending.append(record)

@@ -35,6 +35,7 @@ from relay.core.routes import parse_routes
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server import runtime
 from relay.server.metrics import CONTENT_TYPE
+from relay.server.proxy import KEY_HEADER, LEASE_HEADER, LIFETIME_HEADER, TOKEN_HEADER
 from relay.wire.errors import (
     BadRequest,
     Flavor,
@@ -64,6 +65,11 @@ def route_table() -> dict[str, Flavor]:
 
     return parse_routes(settings.RELAY_ROUTES)
 
+
+TOKEN_HEADER_B = TOKEN_HEADER.encode()
+LEASE_HEADER_B = LEASE_HEADER.encode()
+LIFETIME_HEADER_B = LIFETIME_HEADER.encode()
+KEY_HEADER_B = KEY_HEADER.encode()
 
 #: Worker WebSocket endpoints: over plain HTTP they answer 426.
 WORKER_PATHS = ("/v1/worker/connect", "/v1/worker/legacy")
@@ -260,6 +266,11 @@ class RelayHttpApp:
             return
         try:
             ours = flavor is not None or path in ("/health", "/metrics") or path == "/v1/models"
+            internal = flavor is not None and _header(scope, TOKEN_HEADER_B) is not None
+            if internal:
+                assert flavor is not None
+                await self._placed_here(scope, receive, send, flavor)
+                return
             if (ours or path.startswith("/v1/models/")) and not host_allowed(scope):
                 # As Django answers for every other path (DNS rebinding, SPEC §5).
                 await _send_error(send, BadRequest("Invalid Host header"), flavor or "openai")
@@ -331,6 +342,50 @@ class RelayHttpApp:
             return
         await respond(relay, request, receive, send, cors or [])
 
+    async def _placed_here(
+        self, scope: Scope, receive: Receive, send: Send, flavor: Flavor
+    ) -> None:
+        """A request another server process placed on one of our workers (cluster mode,
+        see :mod:`relay.server.proxy`): authenticated by the cluster token, already
+        admitted there (keys, limits, aliases), its slot reserved under a lease."""
+        rt = runtime.current()
+        placement = rt.placement
+        token = _header(scope, TOKEN_HEADER_B) or b""
+        if placement is None or not hmac.compare_digest(token, rt.cluster_token.encode()):
+            await _send_simple(send, 403, [(b"content-type", b"text/plain")], b"forbidden\n")
+            return
+        relay = rt.relay
+        path = scope["path"]
+        worker_id, _, lease = (_header(scope, LEASE_HEADER_B) or b"").decode().partition(" ")
+        try:
+            lifetime = float(_header(scope, LIFETIME_HEADER_B) or b"0")
+            key = _header(scope, KEY_HEADER_B)
+            key_id = int(key) if key is not None and key.isdigit() else None
+            raw = await read_body(receive, rt.config.max_request_bytes)
+            model, stream = parse_head(raw)
+            request = relay.submit_pinned(
+                worker_id=worker_id,
+                lease=lease,
+                model=model,
+                endpoint_path=path,
+                flavor=flavor,
+                is_streaming=stream,
+                body=raw.decode(),
+                headers=forwarded_request_headers(scope["headers"]),
+                key_id=key_id,
+                lifetime=min(lifetime, rt.config.request_timeout),
+            )
+        except ClientGone:
+            placement.release(worker_id, lease)
+            return
+        except (RelayError, ValueError, UnicodeDecodeError) as exc:
+            placement.release(worker_id, lease)
+            err = exc if isinstance(exc, RelayError) else BadRequest("Malformed internal request")
+            await _send_error(send, err, flavor)
+            return
+        placement.extend(worker_id, lease, request)
+        await respond(relay, request, receive, send, [])
+
     # -- small JSON routes -----------------------------------------------------
 
     async def _unknown(self, scope: Scope, send: Send, path: str) -> None:
@@ -347,13 +402,17 @@ class RelayHttpApp:
         rt = runtime.current()
         relay = rt.relay
         draining = relay.shutting_down
-        document = {
+        document: dict[str, Any] = {
             "status": "draining" if draining else "ok",
             "version": __version__,
             "workers_connected": len(relay.registry.workers),
             "queue_depth": relay.queue_depth(),
             "uptime_secs": round(time.time() - relay.started_wall, 3),
         }
+        if rt.placement is not None:
+            # Cluster mode: degraded (Redis unreachable) still serves this process's
+            # workers, so it stays a 200; the state says which.
+            document["cluster"] = rt.placement.describe()
         await _send_json(send, 503 if draining else 200, document)
 
     async def _metrics(self, scope: Scope, send: Send) -> None:

@@ -117,8 +117,10 @@ class RelayMetrics:
         )
 
     def observe(self, record: RequestRecord) -> None:
-        if not record.request_id:
-            return  # rejected before admission: counted, no latency to report
+        if not record.request_id or record.relay_role == "worker":
+            # Rejected before admission (counted, no latency), or served here for a
+            # client of another process, which reports its latencies.
+            return
         self.duration.labels(record.endpoint).observe(record.duration)
         self.queue_wait.labels(record.endpoint).observe(record.queue_wait)
         if record.ttfb is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 
 from django.conf import settings
 
@@ -24,6 +25,8 @@ from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster import GROUP, Cluster, close_workers_of
 from relay.server.cors import CorsPolicy
 from relay.server.metrics import RelayMetrics
+from relay.server.placement import RedisPlacement
+from relay.server.proxy import cluster_token
 from relay.wire.errors import Flavor
 
 logger = logging.getLogger("relay.runtime")
@@ -93,11 +96,32 @@ class Runtime:
             loop.create_task(self.bookkeeper.run()),
         ]
         self.cluster: Cluster | None = None
+        self.placement: RedisPlacement | None = None
+        self.cluster_token = cluster_token(settings.SECRET_PEPPER)
         if settings.REDIS_URL:
             self.cluster = Cluster(
                 self.relay, settings.REDIS_URL, settings.REDIS_PREFIX, on_sync=self.poke
             )
             self._tasks.append(loop.create_task(self.cluster.run()))
+            self.placement = RedisPlacement(
+                self.relay,
+                settings.REDIS_URL,
+                settings.REDIS_PREFIX,
+                self.cluster_token,
+            )
+            self.relay.placement = self.placement
+            self._tasks.append(loop.create_task(self.placement.run()))
+            if settings.CLUSTER_ADVERTISE_URL:
+                self.placement.listening(settings.CLUSTER_ADVERTISE_URL)
+
+    def listening(self, host: str, port: int) -> None:
+        """The server listens on ``host:port``: in cluster mode, the other processes
+        reach this one there (unless CLUSTER_ADVERTISE_URL says otherwise)."""
+        if self.placement is not None and not settings.CLUSTER_ADVERTISE_URL:
+            if host in ("0.0.0.0", "::", ""):
+                host = socket.gethostname()
+            shown = f"[{host}]" if ":" in host else host
+            self.placement.listening(f"http://{shown}:{port}")
 
     def authenticate(
         self, headers: list[tuple[bytes, bytes]], flavor: Flavor

@@ -20,6 +20,7 @@ Hierarchy::
     │   ├── ProviderGone
     │   ├── RequeueExhausted
     │   ├── WorkerLost
+    │   ├── WorkerUnavailable       (cluster: placed again by the client's process)
     │   └── ShuttingDown
     ├── GatewayTimeout              (504)
     │   ├── QueueTimeout
@@ -208,6 +209,21 @@ class WorkerLost(ServiceUnavailable):
     code = "worker_lost"
     default_message = "The worker serving this request disconnected"
     outcome = "worker_lost"
+
+
+class WorkerUnavailable(ServiceUnavailable):
+    """Cluster mode: the worker another process placed a request on cannot take it (or
+    lost it before its first byte). That process puts the request back in the queue;
+    ``spend`` says whether the attempt counts against MAX_REQUEUE_COUNT."""
+
+    code = "worker_unavailable"
+    default_message = "The worker serving this request is unavailable"
+    outcome = "worker_lost"
+
+    def __init__(self, spend: bool = True) -> None:
+        super().__init__()
+        self.spend = spend
+        self.headers.append((b"x-modelrelay-requeue", b"spend" if spend else b"free"))
 
 
 class ShuttingDown(ServiceUnavailable):

@@ -1,0 +1,45 @@
+"""Where requests go when several server processes share one worker pool (SPEC §11).
+
+The dispatcher alone places requests on the workers connected to its own process. With
+a :class:`Placement` plugged in (``relay.server.placement`` backs it with Redis), the
+choice becomes cluster-wide: capacity is reserved in one shared place, requests that
+find none wait in one shared queue per provider, and a slot that frees anywhere goes to
+the oldest compatible request anywhere. The dispatcher still owns every request it
+admitted (its deadlines, cancellation, requeue) and every worker connected to it; the
+placement only decides *which* worker, and tells the dispatcher through
+:meth:`relay.core.dispatch.Dispatcher.assign_to`.
+
+Every method is called on the event loop and returns at once; the work behind it
+(Redis round trips, messages to other processes) runs in tasks the placement owns.
+While :attr:`Placement.active` is False (Redis unreachable) the dispatcher places
+requests locally, as a single process does.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from relay.core.state import RelayRequest, Worker
+
+
+class Placement(Protocol):
+    @property
+    def active(self) -> bool:
+        """True while the shared state can be used; False: place locally."""
+
+    def place(self, request: RelayRequest) -> None:
+        """``request`` (queued here, with its provider and model resolved) needs a slot:
+        reserve one anywhere, or add it to the shared queue."""
+
+    def withdraw(self, request: RelayRequest) -> None:
+        """A request that was waiting ended here (cancel, timeout): drop its entry."""
+
+    def freed(self, worker: Worker, lease: str | None) -> None:
+        """A local worker's slot opened (the request that held reservation ``lease``
+        left it): give it to the oldest compatible request anywhere."""
+
+    def worker_changed(self, worker: Worker) -> None:
+        """A local worker registered, or its models or drain state changed."""
+
+    def worker_gone(self, worker: Worker) -> None:
+        """A local worker left: its capacity is no longer offered."""

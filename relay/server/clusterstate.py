@@ -1,0 +1,307 @@
+"""The cluster's shared state in Redis: who serves what, reservations, the shared queue.
+
+Every decision that must be atomic across server processes is one Lua script, so
+Redis runs it alone: choosing the least-loaded worker and reserving its slot, or
+queueing the request when there is none (:meth:`ClusterState.place`); releasing a slot
+and, in the same step, handing it to the oldest compatible queued request
+(:meth:`ClusterState.release`). A slot can therefore never be free while a request
+that fits it waits, and no worker is ever reserved past its ``max_concurrent``.
+
+Keys (``P`` is REDIS_PREFIX):
+
+- ``P:proc:<instance>``: the process's address for the others; expires unless
+  refreshed (a dead process drops out within PROC_TTL);
+- ``P:w:<worker>`` (hash: proc, provider, max, draining), ``P:wm:<worker>`` (its
+  models), ``P:l:<worker>`` (its reservations, scored by expiry): refreshed with the
+  process, so a dead process's workers vanish with it;
+- ``P:m:<provider>:<model>``: the workers serving a model (dead ones pruned lazily);
+- ``P:q:<provider>`` (entries scored by global arrival order) and ``P:qe:<entry>``
+  (model, origin process, deadline; expires at the deadline): the shared queue;
+- ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals).
+
+A reservation's id is its request's entry id, ``<instance>|<request id>``: unique, and
+the same string names the request's queue entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+#: A process that has not refreshed its keys for this long is gone.
+PROC_TTL_MS = 5000
+#: A reservation whose request has not reached its worker's process within this long
+#: lapses (the placing process died in between); on arrival it is extended.
+PENDING_LEASE_MS = 15_000
+
+_PLACE = """
+local P, provider, model = ARGV[1], ARGV[2], ARGV[3]
+local now, lease, lease_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local origin, deadline = ARGV[7], tonumber(ARGV[8])
+local seq, max_queue = tonumber(ARGV[9]), tonumber(ARGV[10])
+local members_key = P .. ':m:' .. provider .. ':' .. model
+local best, ties = nil, {}
+for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
+  local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining')
+  if not w[1] then
+    redis.call('SREM', members_key, wid)
+  elseif w[3] ~= '1' and redis.call('EXISTS', P .. ':proc:' .. w[1]) == 1 then
+    local leases = P .. ':l:' .. wid
+    redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+    local load = redis.call('ZCARD', leases)
+    if load < tonumber(w[2]) then
+      if best == nil or load < best then
+        best, ties = load, {wid}
+      elseif load == best then
+        table.insert(ties, wid)
+      end
+    end
+  end
+end
+if seq == 0 then
+  seq = redis.call('INCR', P .. ':seq')
+end
+if #ties > 0 then
+  table.sort(ties)
+  local turn = redis.call('INCR', P .. ':rr:' .. provider)
+  local wid = ties[(turn % #ties) + 1]
+  redis.call('ZADD', P .. ':l:' .. wid, now + lease_ms, lease)
+  local proc = redis.call('HGET', P .. ':w:' .. wid, 'proc')
+  return {'placed', wid, proc, redis.call('GET', P .. ':proc:' .. proc) or '', seq}
+end
+local queue = P .. ':q:' .. provider
+if max_queue >= 0 and redis.call('ZCARD', queue) >= max_queue then
+  return {'full', '', '', '', seq}
+end
+redis.call('ZADD', queue, seq, lease)
+redis.call('HSET', P .. ':qe:' .. lease, 'model', model, 'origin', origin, 'deadline', deadline)
+redis.call('PEXPIREAT', P .. ':qe:' .. lease, deadline)
+return {'queued', '', '', '', seq}
+"""
+
+_RELEASE = """
+local P, wid, lease = ARGV[1], ARGV[2], ARGV[3]
+local now, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local leases = P .. ':l:' .. wid
+if lease ~= '' then
+  redis.call('ZREM', leases, lease)
+end
+local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining', 'provider')
+if not w[1] or w[3] == '1' then
+  return false
+end
+redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+if redis.call('ZCARD', leases) >= tonumber(w[2]) then
+  return false
+end
+local models = {}
+for _, m in ipairs(redis.call('SMEMBERS', P .. ':wm:' .. wid)) do
+  models[m] = true
+end
+local queue = P .. ':q:' .. w[4]
+local start = 0
+while true do
+  local batch = redis.call('ZRANGE', queue, start, start + 63)
+  if #batch == 0 then
+    return false
+  end
+  local kept = 0
+  for _, entry in ipairs(batch) do
+    local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline')
+    if not e[1] or tonumber(e[3]) <= now or redis.call('EXISTS', P .. ':proc:' .. e[2]) == 0 then
+      redis.call('ZREM', queue, entry)
+      redis.call('DEL', P .. ':qe:' .. entry)
+    elseif models[e[1]] then
+      redis.call('ZREM', queue, entry)
+      redis.call('DEL', P .. ':qe:' .. entry)
+      redis.call('ZADD', leases, now + lease_ms, entry)
+      return {entry, e[2]}
+    else
+      kept = kept + 1
+    end
+  end
+  start = start + kept
+end
+"""
+
+_EXTEND = """
+local P, wid, lease, expiry = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+if redis.call('EXISTS', P .. ':w:' .. wid) == 1 then
+  redis.call('ZADD', P .. ':l:' .. wid, 'XX', expiry, lease)
+end
+return 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where a reservation landed: a worker, the process it is connected to, and that
+    process's address."""
+
+    worker_id: str
+    owner: str
+    address: str
+
+
+class ClusterState:
+    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self._place = redis.register_script(_PLACE)
+        self._release = redis.register_script(_RELEASE)
+        self._extend = redis.register_script(_EXTEND)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.prefix, *parts))
+
+    # -- reservations and the shared queue ---------------------------------------
+
+    async def place(
+        self,
+        *,
+        provider: str,
+        model: str,
+        entry: str,
+        origin: str,
+        now_ms: int,
+        deadline_ms: int,
+        seq: int,
+        max_queue: int,
+    ) -> tuple[str, Placed | None, int]:
+        """Reserve the least-loaded slot for ``model`` or queue ``entry``.
+
+        Returns ``("placed", where, seq)``, ``("queued", None, seq)`` or
+        ``("full", None, seq)``; ``seq`` is the request's place in the global arrival
+        order (give it back when the request is placed again, to keep its place).
+        """
+        reply = await self._place(
+            args=[
+                self.prefix,
+                provider,
+                model,
+                now_ms,
+                entry,
+                PENDING_LEASE_MS,
+                origin,
+                deadline_ms,
+                seq,
+                max_queue,
+            ]
+        )
+        kind, worker, owner, address = (self.decode(part) for part in reply[:4])
+        placed = Placed(worker, owner, address) if kind == "placed" else None
+        return kind, placed, int(reply[4])
+
+    async def release(self, worker_id: str, lease: str, now_ms: int) -> tuple[str, str] | None:
+        """Release ``lease`` on the worker and give the free slot to the oldest queued
+        request it can serve: returns that request's ``(entry, origin)`` (its slot is
+        reserved under ``entry``), or None."""
+        popped = await self._release(args=[self.prefix, worker_id, lease, now_ms, PENDING_LEASE_MS])
+        if not popped:
+            return None
+        return self.decode(popped[0]), self.decode(popped[1])
+
+    async def extend(self, worker_id: str, lease: str, expiry_ms: int) -> None:
+        """The reserved request reached its worker: keep the slot until its deadline."""
+        await self._extend(args=[self.prefix, worker_id, lease, expiry_ms])
+
+    async def withdraw(self, provider: str, entry: str) -> None:
+        await self.redis.zrem(self._key("q", provider), entry)
+        await self.redis.delete(self._key("qe", entry))
+
+    async def queue_depth(self) -> int:
+        total = 0
+        async for key in self.redis.scan_iter(match=self._key("q", "*")):
+            total += await self.redis.zcard(key)
+        return total
+
+    # -- membership ----------------------------------------------------------------
+
+    async def announce(self, instance: str, address: str, workers: list[str]) -> None:
+        """Refresh this process's address and its workers' keys (called every second)."""
+        ttl = PROC_TTL_MS
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self._key("proc", instance), address, px=ttl)
+            for wid in workers:
+                for kind in ("w", "wm", "l"):
+                    pipe.pexpire(self._key(kind, wid), ttl)
+            await pipe.execute()
+
+    async def publish_worker(
+        self,
+        *,
+        worker_id: str,
+        instance: str,
+        provider: str,
+        max_concurrent: int,
+        draining: bool,
+        models: list[str],
+        dropped: list[str],
+        leases: dict[str, int],
+    ) -> None:
+        """Offer a local worker's capacity (or update it); ``dropped`` are models it no
+        longer serves; ``leases`` the reservations it holds (after Redis came back)."""
+        ttl = PROC_TTL_MS
+        w, wm, ls = self._key("w", worker_id), self._key("wm", worker_id), self._key("l", worker_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(
+                w,
+                mapping={
+                    "proc": instance,
+                    "provider": provider,
+                    "max": max_concurrent,
+                    "draining": "1" if draining else "0",
+                },
+            )
+            pipe.delete(wm)
+            if models:
+                pipe.sadd(wm, *models)
+            for model in models:
+                pipe.sadd(self._key("m", provider, model), worker_id)
+            for model in dropped:
+                pipe.srem(self._key("m", provider, model), worker_id)
+            if leases:
+                pipe.zadd(ls, leases)
+            for key in (w, wm, ls):
+                pipe.pexpire(key, ttl)
+            await pipe.execute()
+
+    async def remove_worker(self, worker_id: str, provider: str, models: list[str]) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for kind in ("w", "wm", "l"):
+                pipe.delete(self._key(kind, worker_id))
+            for model in models:
+                pipe.srem(self._key("m", provider, model), worker_id)
+            await pipe.execute()
+
+    async def served_models(self) -> dict[str, set[str]]:
+        """provider -> models some live worker of the cluster serves (its own included)."""
+        out: dict[str, set[str]] = {}
+        pattern = self._key("m", "*")
+        skip = len(self.prefix) + 3
+        async for raw in self.redis.scan_iter(match=pattern, count=1000):
+            provider, _, model = self.decode(raw)[skip:].partition(":")
+            out.setdefault(provider, set()).add(model)
+        return out
+
+    async def leave(self, instance: str) -> None:
+        await self.redis.delete(self._key("proc", instance))
+
+    async def instances(self) -> list[str]:
+        return [
+            key.rsplit(":", 1)[1]
+            async for key in self.redis.scan_iter(match=self._key("proc", "*"))
+        ]
+
+    def channel(self, instance: str) -> str:
+        """The pub/sub channel on which ``instance`` hears of slots found for its requests."""
+        return self._key("ctl", instance)
+
+    async def notify(self, instance: str, message: str) -> None:
+        await self.redis.publish(self.channel(instance), message)
+
+    @staticmethod
+    def decode(value: Any) -> str:
+        return value.decode() if isinstance(value, bytes) else str(value)
