@@ -41,7 +41,8 @@ PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tes
 	tests/server/test_admin_api.py tests/test_commands.py tests/server/test_live_relay.py \
 	tests/server/test_cluster.py tests/test_e2e.py tests/pages/test_pages.py \
 	tests/server/test_failures.py tests/server/test_security.py \
-	tests/server/test_security_edges.py tests/server/test_worker_trust.py
+	tests/server/test_security_edges.py tests/server/test_worker_trust.py \
+	tests/server/test_cluster_routing.py
 
 # The live tests run once more under the alternative server, manage.py serve --server uvicorn.
 UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures.py \

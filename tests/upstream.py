@@ -15,6 +15,7 @@ Endpoints:
 - ``POST /v1/embeddings`` (a 4-dimensional vector per input), ``/v1/messages/count_tokens``,
   ``/v1/rerank`` and ``/v1/score`` (llama-server / vLLM shapes), ``/v1/audio/speech``
   (a few bytes of ``audio/mpeg``, for operator-added routes);
+- ``in_flight`` / ``max_in_flight``: POSTs being answered now, and the peak;
 - ``GET /v1/models`` (OpenAI list), ``GET /props`` (llama-server ``total_slots``),
   ``GET /api/tags`` (Ollama).
 
@@ -171,6 +172,9 @@ class FakeUpstream:
         #: queued in this process's kernel.
         self.send_buffer = send_buffer
         self.requests: list[Recorded] = []
+        #: POSTs being answered now, and the most there ever were at once.
+        self.in_flight = 0
+        self.max_in_flight = 0
         self.url = ""
         self._steps = asyncio.Semaphore(0)
         self._arrived = asyncio.Event()
@@ -265,6 +269,18 @@ class FakeUpstream:
         self, rec: Recorded, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
         """Answer one request; False when the connection must not be reused."""
+        if rec.method == "GET":
+            return await self._answer(rec, reader, writer)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self._answer(rec, reader, writer)
+        finally:
+            self.in_flight -= 1
+
+    async def _answer(
+        self, rec: Recorded, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> bool:
         if rec.method == "GET":
             status, document = self._get(rec.path)
             self._write_json(writer, status, document)

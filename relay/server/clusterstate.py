@@ -89,7 +89,7 @@ if lease ~= '' then
   redis.call('ZREM', leases, lease)
 end
 local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining', 'provider')
-if not w[1] or w[3] == '1' then
+if not w[1] or w[3] == '1' or redis.call('EXISTS', P .. ':proc:' .. w[1]) == 0 then
   return false
 end
 redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)

@@ -54,7 +54,7 @@ class RedisPlacement:
         self.instance = relay.instance
         self.redis = aioredis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.state = ClusterState(self.redis, prefix)
-        self.proxies = ProxyPool(relay, token, self._release_unsent)
+        self.proxies = ProxyPool(relay, token, self._release_unsent, self._unreachable)
         #: Where the other processes reach this one (set once the server listens).
         self.address: str | None = None
         self._active = False
@@ -120,6 +120,7 @@ class RedisPlacement:
             max_queue=-1 if requeued or policy is None else policy.policy.max_queue_len,
         )
         self._order[entry] = order
+        logger.debug("placing %s: %s %s (order %d)", entry, kind, placed, order)
         if kind == "placed":
             assert placed is not None
             self._take(entry, placed)
@@ -156,6 +157,7 @@ class RedisPlacement:
         """Release ``lease`` on a worker; if that gave its slot to a queued request, tell
         that request's process. True when a request got the slot."""
         popped = await self.state.release(worker_id, lease, _now_ms())
+        logger.debug("released %r on %s: next %s", lease, worker_id, popped)
         if popped is None:
             return False
         entry, origin = popped
@@ -193,6 +195,13 @@ class RedisPlacement:
     def _release_unsent(self, worker_id: str, lease: str | None) -> None:
         if lease:
             self._spawn(self._release(worker_id, lease))
+
+    def _unreachable(self, instance: str) -> None:
+        """``instance`` refused a connection: it is gone (or going). Drop its address so
+        no process places work on its workers before its keys would have expired; a
+        process that is in fact alive announces itself again within a second."""
+        logger.warning("cluster: process %s refused a connection; taking it out", instance)
+        self._spawn(self.state.leave(instance))
 
     def release(self, worker_id: str, lease: str) -> None:
         """Give back a reservation the request never used (its worker could not take it)."""

@@ -55,13 +55,19 @@ class ProxyPool:
     """The HTTP client to the other processes and the stand-ins for their workers."""
 
     def __init__(
-        self, relay: Relay, token: str, release: Callable[[str, str | None], None]
+        self,
+        relay: Relay,
+        token: str,
+        release: Callable[[str, str | None], None],
+        unreachable: Callable[[str], None],
     ) -> None:
         """``release(worker_id, lease)`` gives back a reservation whose request never
-        reached the other process."""
+        reached the other process; ``unreachable(instance)`` reports a process that
+        refused the connection (it is gone: nothing more is placed there)."""
         self.relay = relay
         self.token = token
         self.release = release
+        self.unreachable = unreachable
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
@@ -218,6 +224,10 @@ class ProxyLink:
                 self.address,
                 exc.__class__.__name__,
             )
+            refused = isinstance(exc, httpx.ConnectError)
+            if refused:
+                self.pool.unreachable(worker.owner)
             if not answered:
                 self.pool.release(self.worker_id, request.lease)
-            relay.on_remote_lost(worker, message.request_id, spend=True)
+            # A request that never left this process did not use up an attempt.
+            relay.on_remote_lost(worker, message.request_id, spend=not refused)

@@ -1,0 +1,478 @@
+"""Several server processes, one worker pool and one queue through Redis (SPEC §11).
+
+Live processes sharing Redis and a database, raw WebSocket workers and the real
+``worker.py``, the fake upstream, and nginx round-robin in front where a load
+balancer matters. Everything on 127.0.0.1; every process is stopped by its fixture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from relay.wire import protocol
+from tests.conftest import require_service
+from tests.live import LiveServer
+from tests.rawworker import connect, expect, register
+from tests.test_deploy_proxies import (
+    nginx_binary,
+    nginx_command,
+    nginx_main_config,
+    render_loopback,
+    running,
+)
+from tests.test_e2e import running_worker
+from tests.upstream import expected_text, upstream_in_thread
+
+pytestmark = [pytest.mark.live, pytest.mark.redis]
+
+TOKEN = "cluster-admin"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@contextmanager
+def cluster(factory: Any, count: int, **env: str) -> Iterator[list[LiveServer]]:
+    """``count`` server processes sharing one Redis prefix, pepper and database."""
+    if "REDIS_URL" not in env:
+        require_service("Redis", "127.0.0.1", 6379)
+    common = {
+        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}",
+        "MODELRELAY_ADMIN_TOKEN": TOKEN,
+        "MODELRELAY_SECRET_PEPPER": secrets.token_urlsafe(32),
+        "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
+        "HEARTBEAT_INTERVAL_SECS": "1",
+        **env,
+    }
+    with ExitStack() as stack:
+        first = stack.enter_context(factory(**common))
+        servers = [first]
+        for _ in range(count - 1):
+            shared = {**common, "DATABASE_URL": first.env["DATABASE_URL"]}
+            servers.append(stack.enter_context(factory(**shared)))
+        yield servers
+
+
+async def until(check: Any, timeout: float = 10.0, what: str = "condition") -> Any:
+    async with asyncio.timeout(timeout):
+        while True:
+            result = await check()
+            if result:
+                return result
+            await asyncio.sleep(0.02)
+
+
+async def knows(server: LiveServer, model: str) -> None:
+    """Wait until ``server`` may route ``model`` (it learns other processes' models)."""
+
+    async def listed() -> bool:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            return any(m["id"] == model for m in (await client.get("/v1/models")).json()["data"])
+
+    await until(listed, what=f"{model} routable at {server.url}")
+
+
+async def waiting(server: LiveServer) -> int:
+    async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+        return int((await client.get("/health")).json()["queue_depth"])
+
+
+CHAT = "/v1/chat/completions"
+
+
+def chunk(request_id: str, text: str) -> str:
+    return protocol.encode(protocol.ResponseChunk(request_id, text))
+
+
+def answer(request_id: str, body: str = "ok") -> str:
+    return protocol.encode(
+        protocol.ResponseComplete(
+            request_id=request_id,
+            status_code=200,
+            headers={"content-type": "application/json"},
+            body=body,
+        )
+    )
+
+
+@contextmanager
+def nginx_round_robin(servers: list[LiveServer], workdir: Path) -> Iterator[str]:
+    """deploy/nginx.conf (loopback, plain HTTP) with every process in its upstream."""
+    binary = nginx_binary()
+    workdir.mkdir(parents=True, exist_ok=True)
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    site = render_loopback(servers[0].port, port)
+    lines = "\n".join(f"    server 127.0.0.1:{s.port};" for s in servers)
+    site = re.sub(rf"(?m)^\s*server 127\.0\.0\.1:{servers[0].port};.*$", lines, site, count=1)
+    conf = nginx_main_config(workdir, site)
+    with running(nginx_command(binary, workdir, conf), port, workdir / "nginx.log", {}) as addr:
+        yield f"http://{addr}"
+
+
+# -- any process, any worker ----------------------------------------------------------
+
+
+async def test_clients_of_any_process_are_served_by_workers_of_any_other(
+    relay_server_factory, tmp_path
+):
+    with (
+        upstream_in_thread() as upstream,
+        cluster(relay_server_factory, 3) as (a, b, c),
+        running_worker(c, upstream.url, "--models", "mock-model"),
+    ):
+        async with await connect(b) as ws:
+            await register(ws, models=["m"], max_concurrent=4)
+            await knows(a, "m")
+            await knows(a, "mock-model")
+            await knows(b, "mock-model")
+            async with httpx.AsyncClient(base_url=a.url, timeout=15) as client:
+                call = asyncio.ensure_future(
+                    client.post("/v1/chat/completions", json={"model": "m"})
+                )
+                request = await expect(ws, protocol.Request)
+                await ws.send(answer(request.request_id, '{"from":"b"}'))
+                assert (await call).json() == {"from": "b"}
+
+                async def stream() -> bytes:
+                    body = {"model": "m", "stream": True}
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        assert r.status_code == 200
+                        return b"".join([part async for part in r.aiter_raw()])
+
+                streamed = asyncio.ensure_future(stream())
+                request = await expect(ws, protocol.Request)
+                for i in range(3):
+                    await ws.send(
+                        protocol.encode(
+                            protocol.ResponseChunk(request.request_id, f"data: {i}\n\n")
+                        )
+                    )
+                await ws.send(answer(request.request_id, "data: [DONE]\n\n"))
+                assert await streamed == b"data: 0\n\ndata: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+            # The real worker.py behind process C, asked through A and B, streaming and not.
+            for server in (a, b):
+                async with httpx.AsyncClient(base_url=server.url, timeout=15) as client:
+                    whole = await client.post(
+                        "/v1/chat/completions",
+                        json={
+                            "model": "mock-model",
+                            "messages": [{"role": "user", "content": "x"}],
+                        },
+                    )
+                    assert whole.status_code == 200
+                    assert whole.json()["choices"][0]["message"]["content"] == expected_text(
+                        upstream.upstream.tokens
+                    )
+                    body = {"model": "mock-model", "stream": True, "mock": {"tokens": 4}}
+                    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                        text = b"".join([part async for part in r.aiter_raw()]).decode()
+                    assert r.status_code == 200 and text.endswith("data: [DONE]\n\n")
+            # And through a load balancer spreading clients over all three.
+            with nginx_round_robin([a, b, c], tmp_path / "nginx") as front:
+                async with httpx.AsyncClient(base_url=front, timeout=15) as client:
+                    for n in range(6):
+                        body = {"model": "mock-model", "n": n, "messages": []}
+                        response = await client.post("/v1/chat/completions", json=body)
+                        assert response.status_code == 200, response.text
+            assert len(upstream.upstream.requests_to("/v1/chat/completions")) == 10
+
+
+async def test_capacity_is_never_exceeded_across_processes(relay_server_factory):
+    with (
+        upstream_in_thread(token_delay=0.01, tokens=5) as one,
+        upstream_in_thread(token_delay=0.01, tokens=5) as two,
+        cluster(relay_server_factory, 3, MAX_QUEUE_LEN="500") as (a, b, c),
+        running_worker(b, one.url, "--models", "mock-model", "--max-concurrent", "4"),
+        running_worker(c, two.url, "--models", "mock-model", "--max-concurrent", "4"),
+    ):
+        for server in (a, b, c):
+            await knows(server, "mock-model")
+
+        async def call(server: LiveServer, client: httpx.AsyncClient, n: int) -> str:
+            body = {"model": "mock-model", "stream": True, "n": n}
+            async with client.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200
+                return b"".join([part async for part in r.aiter_raw()]).decode()
+
+        limits = httpx.Limits(max_connections=300)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            texts = await asyncio.gather(*(call((a, b, c)[n % 3], client, n) for n in range(200)))
+        assert all(
+            t.endswith("data: [DONE]\n\n") and expected_text(5) in _content(t) for t in texts
+        )
+        assert one.upstream.max_in_flight <= 4 and two.upstream.max_in_flight <= 4
+        assert len(one.requests) + len(two.requests) == 200
+        assert one.requests and two.requests  # both workers took part
+
+
+def _content(stream: str) -> str:
+    out = []
+    for line in stream.split("\n"):
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:]).get("choices", []):
+                out.append(choice.get("delta", {}).get("content") or "")
+    return "".join(out)
+
+
+async def test_queued_requests_get_freed_capacity_in_global_arrival_order(relay_server_factory):
+    with cluster(relay_server_factory, 3) as (a, b, c):
+        async with await connect(b) as ws:
+            await register(ws, models=["m"], max_concurrent=1)
+            for server in (a, c):
+                await knows(server, "m")
+            async with httpx.AsyncClient(timeout=30) as client:
+
+                def post(server: LiveServer, n: int) -> asyncio.Future[httpx.Response]:
+                    return asyncio.ensure_future(
+                        client.post(
+                            server.url + "/v1/chat/completions", json={"model": "m", "n": n}
+                        )
+                    )
+
+                busy = post(a, 0)
+                first = await expect(ws, protocol.Request)
+                calls = []
+                for n, server in enumerate((a, c, b, a, c), start=1):
+                    before = await waiting(server)
+                    calls.append(post(server, n))
+                    await until(lambda s=server, d=before: _more(s, d))
+                await ws.send(answer(first.request_id))
+                order = []
+                for _ in calls:
+                    request = await expect(ws, protocol.Request)
+                    order.append(json.loads(request.body)["n"])
+                    await ws.send(answer(request.request_id))
+                assert order == [1, 2, 3, 4, 5]
+                assert (await busy).status_code == 200
+                assert [(await call).status_code for call in calls] == [200] * 5
+
+
+async def _more(server: LiveServer, than: int) -> bool:
+    return await waiting(server) > than
+
+
+async def test_a_client_leaving_on_one_process_frees_the_slot_on_another(relay_server_factory):
+    with cluster(relay_server_factory, 3) as (a, b, c):
+        async with await connect(b) as ws:
+            await register(ws, models=["m"], max_concurrent=1)
+            for server in (a, c):
+                await knows(server, "m")
+            async with httpx.AsyncClient(timeout=30) as client:
+                body = {"model": "m", "stream": True, "n": 1}
+                hang_up = asyncio.Event()
+                leaving = asyncio.ensure_future(
+                    _read_one_then_leave(client, a.url + "/v1/chat/completions", body, hang_up)
+                )
+                first = await expect(ws, protocol.Request)
+                await ws.send(
+                    protocol.encode(protocol.ResponseChunk(first.request_id, "data: 1\n\n"))
+                )
+                queued = asyncio.ensure_future(
+                    client.post(c.url + "/v1/chat/completions", json={"model": "m", "n": 2})
+                )
+                await until(lambda: _more(c, 0))
+                hang_up.set()
+                await leaving
+                cancel = await expect(ws, protocol.Cancel)
+                assert cancel.request_id == first.request_id
+                second = await expect(ws, protocol.Request)  # the freed slot, at once
+                assert json.loads(second.body)["n"] == 2
+                await ws.send(answer(second.request_id, "second"))
+                assert (await queued).text == "second"
+
+
+async def _read_one_then_leave(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], hang_up: asyncio.Event
+) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        async for _ in response.aiter_raw():
+            await hang_up.wait()
+            return  # the first bytes arrived and the test says so: hang up
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+async def test_killing_the_process_of_the_worker_loses_no_request_that_can_be_served(
+    relay_server_factory, tmp_path
+):
+    with (
+        upstream_in_thread(token_delay=0.05, tokens=40) as upstream,
+        cluster(relay_server_factory, 3, REQUEST_TIMEOUT_SECS="30") as servers,
+        nginx_round_robin(servers, tmp_path / "nginx") as front,
+    ):
+        async with httpx.AsyncClient(timeout=40, headers=AUTH) as admin:
+            flags = ("--models", "mock-model", "--max-concurrent", "2")
+            front_door = _Front(front, servers[0])
+            with running_worker(front_door, upstream.url, *flags):  # type: ignore[arg-type]
+                owner = await until(lambda: _owner(servers))
+                owner_instance = (await admin.get(owner.url + "/health")).json()["cluster"][
+                    "instance"
+                ]
+                others = [s for s in servers if s is not owner]
+                for server in others:
+                    await knows(server, "mock-model")
+
+                async def call(server: LiveServer, n: int) -> tuple[int, str]:
+                    body = {"model": "mock-model", "stream": True, "n": n}
+                    async with admin.stream(
+                        "POST", server.url + "/v1/chat/completions", json=body
+                    ) as r:
+                        text = b"".join([part async for part in r.aiter_raw()]).decode()
+                        return r.status_code, text
+
+                calls = [asyncio.ensure_future(call(others[n % 2], n)) for n in range(6)]
+                await until(lambda: _started(upstream, 2))
+                owner.kill()
+                results = await asyncio.gather(*calls)
+                for status, text in results:
+                    assert status == 200, text
+                    # Served whole after a requeue, or cut mid-way with the error event:
+                    # never duplicated, never left hanging.
+                    ended = text.endswith("data: [DONE]\n\n")
+                    assert ended or '"error"' in text.rsplit("data:", 1)[1], text[-300:]
+                whole = [t for _, t in results if t.endswith("data: [DONE]\n\n")]
+                assert len(whole) >= 4  # the two in flight may be cut; the queued are served
+                for text in whole:
+                    assert _content(text) == expected_text(40)
+
+                async def gone() -> bool:
+                    workers = (await admin.get(others[0].url + "/admin/workers")).json()
+                    return all(w.get("instance") != owner_instance for w in workers)
+
+                assert await until(gone, timeout=15)
+
+
+class _Front:
+    """A LiveServer-like target for running_worker: the load balancer's address."""
+
+    def __init__(self, url: str, server: LiveServer) -> None:
+        self.url = url
+        self.secret = server.secret
+
+
+async def _owner(servers: list[LiveServer]) -> LiveServer | None:
+    for server in servers:
+        async with httpx.AsyncClient(base_url=server.url, timeout=5) as client:
+            if (await client.get("/health")).json()["workers_connected"]:
+                return server
+    return None
+
+
+async def _started(upstream: Any, count: int) -> bool:
+    return len(upstream.requests) >= count
+
+
+@contextmanager
+def private_redis(workdir: Path) -> Iterator[tuple[str, Any]]:
+    """A redis-server of the test's own on a free port, which the test may stop and start."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    workdir.mkdir(parents=True, exist_ok=True)
+    command = [
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        str(workdir),
+    ]
+    state: dict[str, subprocess.Popen[bytes] | None] = {"process": None}
+
+    def start() -> None:
+        state["process"] = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        require_ready(port)
+
+    def stop() -> None:
+        process = state["process"]
+        if process is not None:
+            process.send_signal(signal.SIGKILL)
+            process.wait(5)
+            state["process"] = None
+
+    start()
+    try:
+        yield f"redis://127.0.0.1:{port}/0", (start, stop)
+    finally:
+        stop()
+
+
+def require_ready(port: int) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+async def test_without_redis_each_process_serves_its_own_workers_and_rejoins(
+    relay_server_factory, tmp_path
+):
+    with (
+        private_redis(tmp_path / "redis") as (url, (start, stop)),
+        cluster(relay_server_factory, 2, REDIS_URL=url, QUEUE_TIMEOUT_SECS="1") as (a, b),
+    ):
+        async with await connect(a) as near, await connect(b) as far:
+            await register(near, models=["near"], max_concurrent=2)
+            await register(far, models=["far"], max_concurrent=2)
+            await knows(a, "far")
+            async with httpx.AsyncClient(base_url=a.url, timeout=15) as client:
+
+                async def served(model: str, ws: Any) -> int:
+                    call = asyncio.ensure_future(
+                        client.post("/v1/chat/completions", json={"model": model})
+                    )
+                    request = await expect(ws, protocol.Request)
+                    await ws.send(answer(request.request_id))
+                    return (await call).status_code
+
+                assert await served("far", far) == 200  # through B
+                stop()
+
+                async def degraded() -> bool:
+                    health = (await client.get("/health")).json()
+                    return health["cluster"]["state"] == "degraded"
+
+                await until(degraded, timeout=15)
+                assert await served("near", near) == 200  # A's own worker still serves
+                lonely = await client.post("/v1/chat/completions", json={"model": "far"})
+                assert lonely.status_code == 504  # B's worker cannot be reached without Redis
+                start()
+
+                async def rejoined() -> bool:
+                    health = (await client.get("/health")).json()
+                    return health["cluster"]["state"] == "ok"
+
+                await until(rejoined, timeout=15)
+                await knows(a, "far")
+                assert await served("far", far) == 200
