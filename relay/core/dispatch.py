@@ -34,6 +34,7 @@ from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
 from relay.wire import protocol
 from relay.wire.errors import (
+    BadRequest,
     Flavor,
     ModelNotFound,
     PayloadTooLarge,
@@ -276,12 +277,18 @@ class Dispatcher:
             deadline=now + primary.policy.request_timeout,
         )
         for state in candidates:
-            worker = self.registry.select(state.policy.name, model)
+            worker = self.registry.select(state.policy.name, model, request)
             if worker is not None:
                 request.provider = state.policy.name
                 self.active += 1
                 self._assign(request, worker, now)
                 return request
+        try:
+            primary = self._waiting_room(candidates, request)
+        except RelayError as exc:
+            self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+            raise
+        request.provider = primary.policy.name
         if len(primary.queue) >= primary.policy.max_queue_len:
             logger.warning("queue full: provider=%s model=%s", primary.policy.name, model)
             full = QueueFull()
@@ -290,6 +297,28 @@ class Dispatcher:
         self.active += 1
         self._enqueue(primary, request, now)
         return request
+
+    def _waiting_room(
+        self, candidates: list[ProviderState], request: RelayRequest
+    ) -> ProviderState:
+        """The provider whose queue ``request`` waits in when no worker is free now.
+
+        The best-ranked provider that has a connected worker willing to take it, or
+        none connected at all (one may come back). When every connected worker of
+        every candidate refuses it (a model served only by legacy nodes, a request
+        they cannot express), waiting would only end in a timeout: refused now, 400.
+        """
+        refusal: str | None = None
+        for state in candidates:
+            workers = self.registry.serving_workers(state.policy.name, request.model)
+            if not workers:
+                return state
+            for worker in workers:
+                why = worker.refuses(request) if worker.refuses is not None else None
+                if why is None:
+                    return state
+                refusal = refusal or why
+        raise BadRequest(refusal or "No worker here can take this request")
 
     def cancel(self, request: RelayRequest, reason: CancelReason = "client_disconnect") -> None:
         """End ``request`` because its client left (or the edge gave up on it).
@@ -546,7 +575,7 @@ class Dispatcher:
             return
         now = self.loop.time()
         while worker.has_capacity:
-            request = state.queue.next_for(worker.model_set)
+            request = state.queue.next_for(worker.model_set, worker.refuses)
             if request is None:
                 return
             state.queue.remove(request)
@@ -561,7 +590,7 @@ class Dispatcher:
         """Place queued requests on any worker with room (after requeues)."""
         now = self.loop.time()
         for request in state.queue:
-            worker = self.registry.select(state.policy.name, request.model)
+            worker = self.registry.select(state.policy.name, request.model, request)
             if worker is not None:
                 state.queue.remove(request)
                 self._assign(request, worker, now)
