@@ -171,6 +171,21 @@ async def test_bad_frames_are_dropped_counted_and_never_delivered():
     assert relay.stats.dropped_frames == 4 and worker.attached
 
 
+async def test_an_invalid_frame_does_not_spoil_the_frames_after_it():
+    relay = make_relay()
+    _, bridge, _ = node(relay)
+    request = ask(relay)
+    euro = "€".encode()
+    bridge.on_binary(result(1, b"a" + euro[:2]))  # a character left unfinished...
+    bridge.on_binary(result(1, b"\xff"))  # ...and garbage: both dropped
+    bridge.on_binary(result(1, "b€"))
+    bridge.on_binary(result(1))
+    _, end = await drain(request)
+    assert isinstance(end, Completion)
+    assert json.loads(end.body)["choices"][0]["message"]["content"] == "ab€"
+    assert relay.stats.dropped_frames == 1
+
+
 async def test_a_node_flooding_bad_frames_is_closed():
     relay = make_relay()
     worker, bridge, transport = node(relay, config=BridgeConfig(bad_frame_limit=3))

@@ -15,11 +15,11 @@ wire instead (see :mod:`relay.core.legacy.frames`):
   result frame ends the task with ``on_complete``.
 
 Bad frames — shorter than a task id, for an id this connection never gave out or
-that already finished, or not UTF-8 — are dropped and counted in the core's
-``dropped_frames``; they never reach a client. Late frames for a task the server
-stopped are expected (the node was mid-generation) and dropped without blame. More
-than ``bad_frame_limit`` bad frames within ``bad_frame_window`` seconds close the
-node (1002).
+that already finished, or not UTF-8 (with any unfinished character before them) —
+are dropped and counted in the core's ``dropped_frames``; they never reach a client.
+Late frames for a task the server stopped are expected (the node was mid-generation)
+and dropped without blame. More than ``bad_frame_limit`` bad frames within
+``bad_frame_window`` seconds close the node (1002).
 
 Like the core, every method is synchronous and runs on the event loop.
 """
@@ -224,6 +224,9 @@ class NodeBridge:
         try:
             text = task.decoder.decode(payload)
         except UnicodeDecodeError:
+            # Start over with the next frame: a character left unfinished before
+            # this one would otherwise make every later frame fail as well.
+            task.decoder.reset()
             self._blame(f"frame for task {task_id} is not valid UTF-8")
             return
         piece = task.rendering.delta(text)
