@@ -107,9 +107,10 @@ async def dropped_frames(server: LiveServer) -> int:
 
 @asynccontextmanager
 async def modern_worker(
-    server: LiveServer, upstream: FakeUpstream, model: str
+    server: LiveServer, backend: FakeUpstream | str, model: str
 ) -> AsyncIterator[asyncio.subprocess.Process]:
-    """The real ``worker.py`` serving ``model`` from the fake upstream, one slot."""
+    """The real ``worker.py`` serving ``model`` from ``backend`` (the fake upstream or a
+    URL), one slot."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "worker.py",
@@ -118,7 +119,7 @@ async def modern_worker(
         "--worker-secret",
         server.secret,
         "--backend-url",
-        upstream.url,
+        backend if isinstance(backend, str) else backend.url,
         "--worker-name",
         "modern-box",
         "--models",

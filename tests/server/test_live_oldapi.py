@@ -23,7 +23,7 @@ from tests.legacykit import (
     user,
 )
 from tests.live import LiveServer, live_server
-from tests.upstream import FakeUpstream, expected_text
+from tests.upstream import FakeUpstream, expected_text, unused_port
 
 pytestmark = pytest.mark.live
 
@@ -100,14 +100,27 @@ async def test_the_old_api_is_served_by_a_modern_worker(shared: LiveServer) -> N
         httpx.AsyncClient(base_url=shared.url) as client,
     ):
         await serving(shared, model)
-        status, lines = await old_chat(client, model=model, system="sys", max_new_tokens=9)
+        old_token = {"authorization": "Bearer the-old-brokers-token"}
+        status, lines = await old_chat(
+            client, old_token, model=model, system="sys", max_new_tokens=9
+        )
         assert status == 200
         assert text_of(lines) == expected_text(5) and lines[-1] == {"done": True}
+        assert all(set(line) == {"o"} for line in lines[:-1])
         (seen,) = upstream.requests_to(CHAT)
         sent = seen.json()
         assert sent["messages"] == [{"role": "system", "content": "sys"}, *user("hello")]
         assert (sent["stream"], sent["max_tokens"]) == (True, 9)
         assert "authorization" not in seen.headers
+
+    # A backend that fails: the old error line.
+    async with (
+        modern_worker(shared, f"http://127.0.0.1:{unused_port()}", "old-api-dead"),
+        httpx.AsyncClient(base_url=shared.url) as client,
+    ):
+        await serving(shared, "old-api-dead")
+        status, lines = await old_chat(client, model="old-api-dead")
+        assert (status, lines) == (200, [{"err": "timeout waiting for finish"}])
 
 
 async def test_the_old_api_with_keys_required_and_its_deadlines(
