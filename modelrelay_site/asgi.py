@@ -1,8 +1,10 @@
 """ASGI entry point: ``daphne modelrelay_site.asgi:application``.
 
 HTTP: the relay's hot-path routes are answered by :class:`relay.server.http.RelayHttpApp`
-before Django is involved; everything else goes to Django.
-WebSocket: ``/v1/worker/connect`` is the worker endpoint. It is deliberately not
+before Django is involved (with the old client API, ``/api/chat``); everything else
+goes to Django.
+WebSocket: ``/v1/worker/connect`` is the worker endpoint; ``/ws`` and
+``/v1/worker/legacy`` take nodes of the older broker. They are deliberately not
 wrapped in ``AllowedHostsOriginValidator``: workers send no ``Origin`` header.
 """
 
@@ -20,16 +22,20 @@ from django.urls import path, re_path  # noqa: E402
 from modelrelay_site import daphne_compat  # noqa: E402
 from relay.server.consumers import WorkerConsumer  # noqa: E402
 from relay.server.http import RelayHttpApp  # noqa: E402
+from relay.server.legacy import LegacyNodeConsumer  # noqa: E402
+from relay.server.oldapi import OldChatApp  # noqa: E402
 from relay.server.rejecting import RejectingConsumer  # noqa: E402
 
 daphne_compat.install()
 
 application = ProtocolTypeRouter(
     {
-        "http": RelayHttpApp(django_application),
+        "http": RelayHttpApp(django_application, routes={OldChatApp.path: OldChatApp()}),
         "websocket": URLRouter(
             [
                 path("v1/worker/connect", WorkerConsumer.as_asgi()),
+                path("ws", LegacyNodeConsumer.as_asgi()),
+                path("v1/worker/legacy", LegacyNodeConsumer.as_asgi()),
                 re_path(r"", RejectingConsumer.as_asgi()),
             ]
         ),

@@ -235,6 +235,13 @@ MODELRELAY_REQUIRE_API_KEYS = env_bool("MODELRELAY_REQUIRE_API_KEYS", False)
 CORS_ALLOWED_ORIGINS = env_list("CORS_ALLOWED_ORIGINS", [])
 AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 30, minimum=1)
 
+# Nodes of the older broker (SPEC §12, docs/LEGACY.md): a node sending more than
+# LEGACY_BAD_FRAME_LIMIT bad frames within LEGACY_BAD_FRAME_WINDOW_SECS is closed;
+# a request that sets no token limit gives the node this max_new_tokens.
+LEGACY_BAD_FRAME_LIMIT = env_int("LEGACY_BAD_FRAME_LIMIT", 100, minimum=1)
+LEGACY_BAD_FRAME_WINDOW_SECS = env_float("LEGACY_BAD_FRAME_WINDOW_SECS", 10.0)
+LEGACY_DEFAULT_MAX_NEW_TOKENS = env_int("LEGACY_DEFAULT_MAX_NEW_TOKENS", 1024, minimum=1)
+
 # --- Logging -----------------------------------------------------------------
 
 LOG_LEVEL = env_str("LOG_LEVEL", "info").upper()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from relay.core.config import ProviderPolicy, RelayConfig
@@ -64,6 +65,7 @@ def attach(
     provider: str = "local",
     name: str = "w",
     load: int = 0,
+    refuses: Callable[[RelayRequest], str | None] | None = None,
 ) -> tuple[Worker, RecordingLink]:
     link = RecordingLink()
     worker, _ = relay.attach_worker(
@@ -73,6 +75,7 @@ def attach(
         max_concurrent=max_concurrent,
         current_load=load,
         link=link,
+        refuses=refuses,
     )
     return worker, link
 

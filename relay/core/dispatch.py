@@ -38,6 +38,7 @@ from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
 from relay.wire import protocol
 from relay.wire.errors import (
+    BadRequest,
     Flavor,
     ModelNotFound,
     PayloadTooLarge,
@@ -310,12 +311,17 @@ class Dispatcher:
             self.placement.place(request)
             return request
         for state, target in candidates:
-            worker = self.registry.select(state.policy.name, target)
+            worker = self.registry.select(state.policy.name, target, request)
             if worker is not None:
                 self._aim(request, state, target)
                 self.active += 1
                 self._assign(request, worker, now)
                 return request
+        try:
+            primary, primary_target = self._waiting_room(candidates, request)
+        except RelayError as exc:
+            self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+            raise
         if len(primary.queue) >= primary.policy.max_queue_len:
             logger.warning("queue full: provider=%s model=%s", primary.policy.name, model)
             full = QueueFull()
@@ -412,6 +418,8 @@ class Dispatcher:
             now=now,
             deadline=now + lifetime,
         )
+        if worker.refuses is not None and worker.refuses(request) is not None:
+            raise WorkerUnavailable(spend=False)  # (the placing process checks this first)
         request.lease = lease
         request.relay_role = "worker"
         self.active += 1
@@ -450,6 +458,28 @@ class Dispatcher:
         if target != request.model:
             request.model = target
             request.body = rewrite_model(request.body, target)
+
+    def _waiting_room(
+        self, candidates: list[tuple[ProviderState, str]], request: RelayRequest
+    ) -> tuple[ProviderState, str]:
+        """The provider whose queue ``request`` waits in when no worker is free now.
+
+        The best-ranked provider that has a connected worker willing to take it, or
+        none connected at all (one may come back). When every connected worker of
+        every candidate refuses it (a model served only by legacy nodes, a request
+        they cannot express), waiting would only end in a timeout: refused now, 400.
+        """
+        refusal: str | None = None
+        for state, target in candidates:
+            workers = self.registry.serving_workers(state.policy.name, target)
+            if not workers:
+                return state, target
+            for worker in workers:
+                why = worker.refuses(request) if worker.refuses is not None else None
+                if why is None:
+                    return state, target
+                refusal = refusal or why
+        raise BadRequest(refusal or "No worker here can take this request")
 
     def cancel(self, request: RelayRequest, reason: CancelReason = "client_disconnect") -> None:
         """End ``request`` because its client left (or the edge gave up on it).
@@ -725,7 +755,7 @@ class Dispatcher:
             return
         now = self.loop.time()
         while worker.has_capacity:
-            request = state.queue.next_for(worker.model_set)
+            request = state.queue.next_for(worker.model_set, worker.refuses)
             if request is None:
                 return
             state.queue.remove(request)
@@ -740,7 +770,7 @@ class Dispatcher:
         """Place queued requests on any worker with room (after requeues)."""
         now = self.loop.time()
         for request in state.queue:
-            worker = self.registry.select(state.policy.name, request.model)
+            worker = self.registry.select(state.policy.name, request.model, request)
             if worker is not None:
                 state.queue.remove(request)
                 self._assign(request, worker, now)

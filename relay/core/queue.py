@@ -3,13 +3,13 @@
 Ordered by first arrival (``seq``), so a request put back after its worker died goes
 ahead of every request that arrived after it. FIFO holds among requests a given
 worker can serve: :meth:`ProviderQueue.next_for` returns the oldest one whose model
-the worker was acked for.
+the worker was acked for and that it does not refuse.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from relay.core.state import RelayRequest
 
@@ -45,9 +45,13 @@ class ProviderQueue:
             return True
         return False
 
-    def next_for(self, models: frozenset[str]) -> RelayRequest | None:
+    def next_for(
+        self,
+        models: frozenset[str],
+        refuses: Callable[[RelayRequest], str | None] | None = None,
+    ) -> RelayRequest | None:
         for request in self._items:
-            if request.model in models:
+            if request.model in models and (refuses is None or refuses(request) is None):
                 return request
         return None
 

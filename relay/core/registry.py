@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 
-from relay.core.state import Worker
+from relay.core.state import RelayRequest, Worker
 
 #: Most (provider, model) pairs remembered after their last worker left.
 MAX_REMEMBERED_MODELS = 10_000
@@ -135,12 +135,15 @@ class Registry:
 
     # -- queries --------------------------------------------------------------
 
-    def select(self, provider: str, model: str) -> Worker | None:
+    def select(
+        self, provider: str, model: str, request: RelayRequest | None = None
+    ) -> Worker | None:
         """The worker that should take the next request for ``model``, or ``None``.
 
         Lowest load wins; among equally loaded workers the provider's cursor rotates
-        so consecutive requests spread out. The caller must reserve the slot before
-        yielding to the event loop.
+        so consecutive requests spread out. Workers that refuse ``request`` (see
+        :attr:`Worker.refuses`) are passed over. The caller must reserve the slot
+        before yielding to the event loop.
         """
         candidates = self._by_model.get((provider, model))
         if not candidates:
@@ -152,6 +155,8 @@ class Registry:
                 continue
             load = worker.load
             if load >= worker.max_concurrent:
+                continue
+            if request is not None and worker.refuses is not None and worker.refuses(request):
                 continue
             if load < best_load:
                 best_load = load
@@ -165,6 +170,10 @@ class Registry:
         cursor = self._cursor.get(provider, 0)
         self._cursor[provider] = cursor + 1
         return best[cursor % len(best)]
+
+    def serving_workers(self, provider: str, model: str) -> list[Worker]:
+        """The connected workers of ``provider`` acked for ``model`` (busy or not)."""
+        return list(self._by_model.get((provider, model), ()))
 
     def serving(self, provider: str, model: str) -> bool:
         """True when a connected worker of ``provider`` was acked for ``model``."""

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from relay.core.dispatch import Dispatcher
 from relay.core.registry import next_worker_id, sanitize_models
@@ -40,11 +40,14 @@ class Relay(Dispatcher):
         peer: str = "",
         protocol_version: str | None = None,
         features: Iterable[str] = (),
+        refuses: Callable[[RelayRequest], str | None] | None = None,
     ) -> tuple[Worker, list[str]]:
         """Register a worker; returns it and the warnings for its ``register_ack``.
 
         The caller sends the ack (with ``worker.models``) before anything else can be
         dispatched to it: this method only queues frames on the link, in order.
+        ``refuses`` is for workers that cannot take every request (see
+        :attr:`Worker.refuses`); queued work is handed to the worker before this returns.
         """
         state = self.providers.get(provider)
         cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
@@ -68,6 +71,7 @@ class Relay(Dispatcher):
             peer=peer,
             protocol_version=protocol_version,
             features=frozenset(features) & frozenset(protocol.FEATURES),
+            refuses=refuses,
         )
         worker.report_load(current_load)
         link.send(

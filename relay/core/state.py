@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Protocol
 
@@ -94,6 +95,7 @@ class RelayRequest:
         "streamed_bytes",
         "timer",
         "token_counts",
+        "translation",
         "worker",
         "worker_id",
         "worker_name",
@@ -150,6 +152,9 @@ class RelayRequest:
         self.status: int | None = None
         self.outcome: str | None = None
         self.token_counts: TokenCounts | None = None
+        #: What a kind of worker that cannot take the raw body made of it, computed
+        #: once on its first look (see :attr:`Worker.refuses`); ``None`` until then.
+        self.translation: object = None
         self.worker_id: str | None = None
         self.worker_name: str | None = None
         #: Cluster mode: the capacity reservation this request holds (released when
@@ -259,6 +264,12 @@ class Worker:
     #: (``owner``), reached through it; never in the registry.
     remote: bool = False
     owner: str = ""
+    #: Why this worker cannot take a given request for one of its models (``None``:
+    #: it can). Unset for workers that speak the wire protocol, which take any request
+    #: for their models; a legacy node refuses what its task format cannot express.
+    #: Selection and the queue skip a worker for the requests it refuses, so it must
+    #: be cheap and give the same answer every time for the same request.
+    refuses: Callable[[RelayRequest], str | None] | None = None
 
     @property
     def load(self) -> int:

@@ -11,12 +11,14 @@ Keys (``P`` is REDIS_PREFIX):
 
 - ``P:proc:<instance>``: the process's address for the others; expires unless
   refreshed (a dead process drops out within PROC_TTL);
-- ``P:w:<worker>`` (hash: proc, provider, max, draining), ``P:wm:<worker>`` (its
+- ``P:w:<worker>`` (hash: proc, provider, max, draining, picky — a worker that does
+  not take every request for its models, such as a legacy node), ``P:wm:<worker>`` (its
   models), ``P:l:<worker>`` (its reservations, scored by expiry): refreshed with the
   process, so a dead process's workers vanish with it;
 - ``P:m:<provider>:<model>``: the workers serving a model (dead ones pruned lazily);
 - ``P:q:<provider>`` (entries scored by global arrival order) and ``P:qe:<entry>``
-  (model, origin process, deadline; expires at the deadline): the shared queue;
+  (model, origin process, deadline, plain — whether picky workers may take it;
+  expires at the deadline): the shared queue;
 - ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals).
 
 A reservation's id is its request's entry id, ``<instance>|<request id>``: unique, and
@@ -40,14 +42,15 @@ _PLACE = """
 local P, provider, model = ARGV[1], ARGV[2], ARGV[3]
 local now, lease, lease_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local origin, deadline = ARGV[7], tonumber(ARGV[8])
-local seq, max_queue = tonumber(ARGV[9]), tonumber(ARGV[10])
+local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties = nil, {}
 for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
-  local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining')
+  local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining', 'picky')
   if not w[1] then
     redis.call('SREM', members_key, wid)
-  elseif w[3] ~= '1' and redis.call('EXISTS', P .. ':proc:' .. w[1]) == 1 then
+  elseif w[3] ~= '1' and (plain == '1' or w[4] ~= '1')
+      and redis.call('EXISTS', P .. ':proc:' .. w[1]) == 1 then
     local leases = P .. ':l:' .. wid
     redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
     local load = redis.call('ZCARD', leases)
@@ -76,7 +79,8 @@ if max_queue >= 0 and redis.call('ZCARD', queue) >= max_queue then
   return {'full', '', '', '', seq}
 end
 redis.call('ZADD', queue, seq, lease)
-redis.call('HSET', P .. ':qe:' .. lease, 'model', model, 'origin', origin, 'deadline', deadline)
+redis.call('HSET', P .. ':qe:' .. lease, 'model', model, 'origin', origin, 'deadline', deadline,
+           'plain', plain)
 redis.call('PEXPIREAT', P .. ':qe:' .. lease, deadline)
 return {'queued', '', '', '', seq}
 """
@@ -88,7 +92,7 @@ local leases = P .. ':l:' .. wid
 if lease ~= '' then
   redis.call('ZREM', leases, lease)
 end
-local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining', 'provider')
+local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining', 'provider', 'picky')
 if not w[1] or w[3] == '1' or redis.call('EXISTS', P .. ':proc:' .. w[1]) == 0 then
   return false
 end
@@ -109,11 +113,11 @@ while true do
   end
   local kept = 0
   for _, entry in ipairs(batch) do
-    local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline')
+    local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline', 'plain')
     if not e[1] or tonumber(e[3]) <= now or redis.call('EXISTS', P .. ':proc:' .. e[2]) == 0 then
       redis.call('ZREM', queue, entry)
       redis.call('DEL', P .. ':qe:' .. entry)
-    elseif models[e[1]] then
+    elseif models[e[1]] and (w[5] ~= '1' or e[4] == '1') then
       redis.call('ZREM', queue, entry)
       redis.call('DEL', P .. ':qe:' .. entry)
       redis.call('ZADD', leases, now + lease_ms, entry)
@@ -169,6 +173,7 @@ class ClusterState:
         deadline_ms: int,
         seq: int,
         max_queue: int,
+        plain: bool = True,
     ) -> tuple[str, Placed | None, int]:
         """Reserve the least-loaded slot for ``model`` or queue ``entry``.
 
@@ -188,6 +193,7 @@ class ClusterState:
                 deadline_ms,
                 seq,
                 max_queue,
+                "1" if plain else "0",
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])
@@ -237,6 +243,7 @@ class ClusterState:
         provider: str,
         max_concurrent: int,
         draining: bool,
+        picky: bool,
         models: list[str],
         dropped: list[str],
         leases: dict[str, int],
@@ -253,6 +260,7 @@ class ClusterState:
                     "provider": provider,
                     "max": max_concurrent,
                     "draining": "1" if draining else "0",
+                    "picky": "1" if picky else "0",
                 },
             )
             pipe.delete(wm)

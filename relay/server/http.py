@@ -249,8 +249,10 @@ def _is_json(content_type: bytes | None) -> bool:
 class RelayHttpApp:
     """ASGI app: relay routes here, everything else to ``fallback`` (Django)."""
 
-    def __init__(self, fallback: ASGIApp) -> None:
+    def __init__(self, fallback: ASGIApp, routes: dict[str, ASGIApp] | None = None) -> None:
         self.fallback = fallback
+        #: More exact paths served here, each by its own ASGI app (the old client API).
+        self.routes = routes or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -283,6 +285,8 @@ class RelayHttpApp:
                 await self._models(scope, send, path)
             elif path == "/metrics":
                 await self._metrics(scope, send)
+            elif path in self.routes:
+                await self.routes[path](scope, receive, send)
             elif path.startswith("/v1/"):
                 await self._unknown(scope, send, path)
             else:

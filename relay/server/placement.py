@@ -30,6 +30,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from relay.core.legacy.tasks import refusal
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.clusterstate import ClusterState, Placed
@@ -118,6 +119,7 @@ class RedisPlacement:
             + int(max(0.0, request.queue_deadline - self.relay.loop.time()) * 1000),
             seq=self._order.get(entry, 0),
             max_queue=-1 if requeued or policy is None else policy.policy.max_queue_len,
+            plain=refusal(request) is None,
         )
         self._order[entry] = order
         logger.debug("placing %s: %s %s (order %d)", entry, kind, placed, order)
@@ -230,6 +232,7 @@ class RedisPlacement:
             provider=worker.provider,
             max_concurrent=worker.max_concurrent,
             draining=worker.draining,
+            picky=worker.refuses is not None,
             models=list(worker.models),
             dropped=[m for m in before if m not in worker.models],
             leases=leases,
