@@ -77,6 +77,8 @@ class SseCheck:
         self.tokens = 0
         self.done = False
         self.error_code: str | None = None
+        #: The error event came after the stream's own end (``[DONE]``/``message_stop``).
+        self.error_after_end = False
         self.problems: list[str] = []
 
     def feed(self, data: bytes) -> None:
@@ -98,10 +100,10 @@ class SseCheck:
             elif line.startswith("data:"):
                 data.append(line[5:].strip())
         payload = "\n".join(data)
-        if self.done or self.error_code is not None:
-            self._problem(f"event after the end: {text[:80]!r}")
+        if self.error_code is not None:
+            self._problem(f"event after the error event: {text[:80]!r}")
             return
-        if payload == "[DONE]":
+        if payload == "[DONE]" and not self.done:
             self.done = True
             return
         try:
@@ -112,15 +114,34 @@ class SseCheck:
         if not isinstance(obj, dict):
             self._problem(f"not an object: {text[:80]!r}")
             return
+        if self.done:
+            # The relay cannot tell that a backend's stream ended before its worker did
+            # (it does not parse SSE): a worker lost after the last event but before its
+            # completion still gets the SSE error event (SPEC §6). Nothing else may follow.
+            if self._error_code(name, obj) is None:
+                self._problem(f"event after the end: {text[:80]!r}")
+                return
+            self.error_after_end = True
         if self.flavor == "anthropic":
             self._anthropic(name, obj)
         else:
             self._openai(obj)
 
+    def _error_code(self, name: str, obj: dict[str, Any]) -> str | None:
+        if self.flavor == "anthropic":
+            if name != "error" and obj.get("type") != "error":
+                return None
+            err = obj.get("error")
+            return code_of_message(str(err.get("message", "") if isinstance(err, dict) else ""))
+        if "error" not in obj:
+            return None
+        err = obj["error"]
+        return str(err.get("code")) if isinstance(err, dict) else "?"
+
     def _openai(self, obj: dict[str, Any]) -> None:
-        if "error" in obj:
-            err = obj["error"]
-            self.error_code = str(err.get("code")) if isinstance(err, dict) else "?"
+        code = self._error_code("", obj)
+        if code is not None:
+            self.error_code = code
             return
         if obj.get("id") != f"chatcmpl-{self.tag}":
             self._problem(f"chunk of {obj.get('id')!r} in the stream of {self.tag}")
@@ -132,10 +153,9 @@ class SseCheck:
 
     def _anthropic(self, name: str, obj: dict[str, Any]) -> None:
         kind = obj.get("type")
-        if name == "error" or kind == "error":
-            err = obj.get("error")
-            message = err.get("message", "") if isinstance(err, dict) else ""
-            self.error_code = code_of_message(str(message))
+        code = self._error_code(name, obj)
+        if code is not None:
+            self.error_code = code
         elif kind == "message_start":
             if (obj.get("message") or {}).get("id") != f"msg_{self.tag}":
                 self._problem(f"message_start of another call in the stream of {self.tag}")

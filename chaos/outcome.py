@@ -116,6 +116,9 @@ def call_checks(outcome: Outcome) -> None:
         if not corrupt
         else f"{len(corrupt)} corrupt: " + _examples(corrupt),
     )
+    late = sum(1 for c in calls if c.sse is not None and c.sse.error_after_end)
+    if late:
+        outcome.figures["error event after the stream's end"] = late
     wrong = [c for c in calls if not c.accepted and c not in silent and c not in corrupt]
     counts = ", ".join(f"{v} {n}" for v, n in sorted(outcome.verdicts().items()))
     outcome.check(
