@@ -186,7 +186,8 @@ async def fuzz(
         not peer_tally.problems,
         "closes: " + _counts(peer_tally.closes)
         if not peer_tally.problems
-        else "; ".join(peer_tally.problems[:6]),
+        else f"{_counts(peer_tally.problems)}; e.g. " + "; ".join(peer_tally.examples[:4]),
+        {"kinds": dict(peer_tally.problems)},
     )
     hostile_total = sum(hostile.values())
     out.check(

@@ -57,15 +57,18 @@ class PeerTally:
     closes: Counter[str] = field(default_factory=Counter)
     #: The last frame sent on connections the server dropped without a close frame.
     dropped_after: Counter[str] = field(default_factory=Counter)
-    problems: list[str] = field(default_factory=list)
+    #: kind -> how often, and a few examples.
+    problems: Counter[str] = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
 
     @property
     def frames(self) -> int:
         return self.damaged + self.well_formed
 
-    def problem(self, text: str) -> None:
-        if len(self.problems) < 20:
-            self.problems.append(text)
+    def problem(self, kind: str, text: str) -> None:
+        self.problems[kind] += 1
+        if len(self.examples) < 10:
+            self.examples.append(text)
 
 
 class Peers:
@@ -126,7 +129,8 @@ class Peers:
                     await ws.close()
         except (ConnectionClosed, OSError, InvalidHandshake, TimeoutError) as exc:
             if isinstance(exc, InvalidStatus | TimeoutError):
-                self.tally.problem(f"{script}: {type(exc).__name__}: {exc}")
+                kind = f"{script}: {type(exc).__name__}"
+                self.tally.problem(kind, f"{kind}: {exc}")
 
     async def connect(
         self, secret: str = WORKER_SECRET, provider: str = "local"
@@ -269,7 +273,9 @@ class Peers:
             return
         self.tally.closes[str(rcvd)] += 1
         if rcvd not in EXPECTED_CLOSES:
-            self.tally.problem(f"server closed with {rcvd}: {ws.close_reason!r}")
+            self.tally.problem(
+                f"server closed with {rcvd}", f"server closed with {rcvd}: {ws.close_reason!r}"
+            )
 
     async def bad_credentials(self) -> None:
         secret, provider = self.rng.choice(
@@ -283,13 +289,15 @@ class Peers:
         try:
             await self.closed(ws, 5)
             if ws.close_code != 1008:
-                self.tally.problem(f"bad credentials closed with {ws.close_code}, not 1008")
+                kind = f"bad credentials closed with {ws.close_code}"
+                self.tally.problem(kind, f"{kind}, not 1008")
         finally:
             await ws.close()
 
     async def raw_framing(self) -> None:
         """A valid handshake, then bytes that break WebSocket framing."""
         reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        label = "handshake"
         try:
             key = base64.b64encode(os.urandom(16)).decode()
             writer.write(
@@ -302,32 +310,44 @@ class Peers:
             )
             head = await reader.readuntil(b"\r\n\r\n")
             if b" 101 " not in head.split(b"\r\n", 1)[0]:
-                self.tally.problem(f"raw handshake refused: {head[:60]!r}")
+                self.tally.problem("raw handshake refused", f"raw handshake refused: {head[:60]!r}")
                 return
-            writer.write(self.bad_frame())
+            label, data = self.bad_frame()
+            writer.write(data)
             self.tally.raw_frames += 1
+            self.tally.labels[f"raw: {label}"] += 1
             await writer.drain()
             async with asyncio.timeout(5):
                 while await reader.read(65536):
                     pass
             self.tally.closes["raw: connection ended"] += 1
         except TimeoutError:
-            self.tally.problem("raw framing: the server kept a broken connection open for 5 s")
+            if label == "noise":
+                # Random bytes may be the start of a valid frame whose payload is still
+                # to come: waiting for it is allowed.
+                self.tally.closes["raw: noise, still open"] += 1
+                return
+            self.tally.problem(
+                f"kept open after: {label}",
+                f"after a raw {label} the server kept the connection open for 5 s",
+            )
         finally:
             writer.transport.abort()
 
-    def bad_frame(self) -> bytes:
+    def bad_frame(self) -> tuple[str, bytes]:
+        """Bytes that break WebSocket framing (RFC 6455 §5), and what they break."""
         rng = self.rng
         mask = rng.randbytes(4)
 
         def frame(first: int, payload: bytes, masked: bool = True) -> bytes:
             size = len(payload)
+            bit = 0x80 if masked else 0
             if size < 126:
-                length = bytes([(0x80 if masked else 0) | size])
+                length = bytes([bit | size])
             elif size < 65536:
-                length = bytes([(0x80 if masked else 0) | 126]) + struct.pack("!H", size)
+                length = bytes([bit | 126]) + struct.pack("!H", size)
             else:
-                length = bytes([(0x80 if masked else 0) | 127]) + struct.pack("!Q", size)
+                length = bytes([bit | 127]) + struct.pack("!Q", size)
             if masked:
                 payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
                 return bytes([first]) + length + mask + payload
@@ -336,16 +356,16 @@ class Peers:
         text = b'{"type":"pong"}'
         return rng.choice(
             [
-                frame(0x81, text, masked=False),  # clients must mask
-                frame(0x83, text),  # reserved opcode
-                frame(0xC1, text),  # RSV1 without an extension
-                frame(0x89, b"p" * 200),  # control frame over 125 bytes
-                frame(0x09, b"p"),  # fragmented control frame
-                frame(0x80, text),  # continuation with nothing to continue
-                frame(0x88, struct.pack("!H", 1005)),  # close code that must not be sent
-                frame(0x88, b"\x03"),  # close payload of one byte
-                frame(0x01, text) + frame(0x81, text),  # new message inside a fragmented one
-                bytes([0x81, 0xFF]) + b"\xff" * 8 + mask,  # 64-bit length with the top bit set
-                rng.randbytes(rng.randint(1, 64)),  # noise
+                ("unmasked frame", frame(0x81, text, masked=False)),
+                ("reserved opcode", frame(0x83, text)),
+                ("RSV1 without an extension", frame(0xC1, text)),
+                ("control frame over 125 bytes", frame(0x89, b"p" * 200)),
+                ("fragmented control frame", frame(0x09, b"p")),
+                ("continuation with nothing to continue", frame(0x80, text)),
+                ("close code 1005 on the wire", frame(0x88, struct.pack("!H", 1005))),
+                ("one-byte close payload", frame(0x88, b"\x03")),
+                ("new message inside a fragmented one", frame(0x01, text) + frame(0x81, text)),
+                ("64-bit length with the top bit set", bytes([0x81, 0xFF]) + b"\xff" * 8 + mask),
+                ("noise", rng.randbytes(rng.randint(1, 64))),
             ]
         )
