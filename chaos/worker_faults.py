@@ -240,7 +240,7 @@ async def worker_drain(rig: Rig, out: Outcome, size: int) -> None:
     try:
         sent = [
             Call(f"ds{i}", flavor(i), stream=i % 2 == 0, group="unread at the SIGTERM")
-            for i in range(size)
+            for i in range(min(size, rig.worker_concurrency - len(running)))
         ]
         start_calls(rig, out, sent)
 
