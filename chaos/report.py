@@ -64,3 +64,11 @@ def checks(outcomes: list[tuple[str, Outcome]]) -> str:
                 f"  {mark} {check.name}: {check.detail.splitlines()[0] if check.detail else ''}"
             )
     return "\n".join(lines)
+
+
+def known_legend(outcomes: list[tuple[str, Outcome]]) -> str:
+    seen: dict[str, str] = {}
+    for server, out in outcomes:
+        for known in explained(out, server):
+            seen.setdefault(known.key, known.summary)
+    return "\n".join(f"- {key}: {summary}" for key, summary in seen.items())

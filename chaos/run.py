@@ -2,16 +2,17 @@
 
 Usage::
 
-    python chaos/run.py                       # the full matrix and the fuzzer (daphne)
-    python chaos/run.py --quick               # the same, small counts (~2 min)
+    python chaos/run.py                       # the full matrix and the fuzzer, under
+                                              # daphne and under uvicorn
+    python chaos/run.py --quick               # small counts, daphne only
     python chaos/run.py --only mixed,fuzz     # some scenarios (comma list)
-    python chaos/run.py --servers daphne,uvicorn
+    python chaos/run.py --servers uvicorn     # one server
 
 Each scenario starts its own fake backend (``chaos/upstream.py``), a ModelRelay server
 (``manage.py serve``) and real ``worker.py`` processes, stages its faults, checks
 what every client got and what the server shows afterwards, and stops every process
 it started. See docs/RELIABILITY.md for the matrix and the last full run's figures.
-Exits 1 when any check failed.
+Exits 1 when any check failed, known product failures (:mod:`chaos.known`) included.
 """
 
 from __future__ import annotations
@@ -65,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small counts (the 'quick' profile)")
     p.add_argument("--profile", choices=sorted(PROFILES), help="full, quick or test")
     p.add_argument("--only", default="", help="comma list of: " + ", ".join(all_names))
-    p.add_argument("--servers", default="daphne", help="comma list: daphne, uvicorn")
+    p.add_argument(
+        "--servers",
+        help="comma list: daphne, uvicorn (default: both for a full run, daphne otherwise)",
+    )
     p.add_argument("--mixed-secs", type=float, help="duration of the mixed run")
     p.add_argument("--mixed-clients", type=int, help="concurrent clients in the mixed run")
     p.add_argument("--fuzz-frames", type=int, help="mutated worker frames to send")
@@ -89,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - set(all_names)
     if unknown:
         p.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {', '.join(all_names)}")
-    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    default_servers = "daphne,uvicorn" if profile.name == "full" else "daphne"
+    servers = [s.strip() for s in (args.servers or default_servers).split(",") if s.strip()]
     if not set(servers) <= {"daphne", "uvicorn"}:
         p.error("--servers takes daphne, uvicorn")
     command = " ".join(["python", "chaos/run.py", *(sys.argv[1:] if argv is None else argv)])
@@ -118,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     if not passed:
         print()
         print(report.failures(results))
+        legend = report.known_legend(results)
+        if legend:
+            print("\nKnown product failures (docs/RELIABILITY.md):")
+            print(legend)
     print(
         f"\n{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, "
         f"{took:.0f} s: {command}"
