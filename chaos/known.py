@@ -10,6 +10,7 @@ failures are explained, and fails it otherwise. docs/RELIABILITY.md describes ea
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 
 from chaos.outcome import Check, Outcome
@@ -24,7 +25,7 @@ class Known:
     summary: str
     check: str
     #: The check's ``data`` field the problems are listed under, and the ones explained
-    #: (a counted problem is explained when it starts with one of these).
+    #: (shell-style patterns: a counted problem is explained when it matches one).
     field: str
     problems: frozenset[str]
     servers: frozenset[str] = BOTH
@@ -73,7 +74,7 @@ KNOWN = [
         "signatures",
         frozenset(
             {
-                "relay.http: unexpected error serving POST /v1/chat/completions / "
+                "relay.http: unexpected error serving POST /v1/* / "
                 "RuntimeError: Invalid HTTP header value.",
                 "uvicorn.error: ASGI callable returned without completing response.",
             }
@@ -96,7 +97,12 @@ KNOWN = [
         "logs clean",
         "signatures",
         frozenset(
-            {"uvicorn.error: Invalid UTF-8 sequence received from client. / UnicodeDecodeError"}
+            {
+                "uvicorn.error: Invalid UTF-8 sequence received from client. / UnicodeDecodeError*",
+                # A second such frame while uvicorn is already closing the connection.
+                "asyncio: Fatal error on transport *WebSocketsSansIOProtocol*"
+                " / websockets.exceptions.InvalidState: connection is closing",
+            }
         ),
         UVICORN,
     ),
@@ -124,7 +130,7 @@ def explains(check: Check, server: str) -> list[Known]:
 
 
 def _covers(known: Known, problem: str) -> bool:
-    return any(problem.startswith(p) for p in known.problems)
+    return any(fnmatch.fnmatchcase(problem, pattern) for pattern in known.problems)
 
 
 def unexplained(outcome: Outcome, server: str) -> list[Check]:

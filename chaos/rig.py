@@ -35,6 +35,7 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 #: Lines in a server or worker log that mean an unhandled error.
 _BAD_LINE = re.compile(r"Traceback|Exception inside application|\d ERROR |\d CRITICAL ")
 _NUMBERS = re.compile(r"0x[0-9a-fA-F]+|\d+")
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 #: The timestamp and level that start a logged line (server and worker formats).
 _LOGGED = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+ +[A-Z]+ +")
 
@@ -335,7 +336,7 @@ def incidents(process: str, lines: list[str]) -> list[Incident]:
         if not _BAD_LINE.search(line):
             number += 1
             continue
-        message = _LOGGED.sub("", line).strip()
+        message = _ADDRESS.sub("0xN", _LOGGED.sub("", line).strip())
         end = number + 1
         if "Traceback" in line or (end < len(lines) and lines[end].startswith("Traceback")):
             while end < len(lines) and (
