@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench browser nginx caddy wrk clean
+.PHONY: run test lint bench chaos browser nginx caddy wrk clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ lint: $(VENV)/.dev
 
 bench: $(VENV)/.dev nginx wrk
 	$(PY) bench/run.py $(BENCH_ARGS)
+
+# The request path under staged faults, and a fuzzer (docs/RELIABILITY.md); CHAOS_ARGS=--quick
+chaos: $(VENV)/.dev
+	$(PY) chaos/run.py $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) .test-data .pytest_cache .mypy_cache .ruff_cache

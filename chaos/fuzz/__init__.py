@@ -1,0 +1,1 @@
+"""Hostile peers for the fuzz scenario: mutated worker frames, malformed HTTP requests."""
