@@ -1,4 +1,4 @@
-"""Product failures the harness has found and that are not fixed yet.
+"""Product failures the harness has found and that are not fixed yet (none today).
 
 Each entry names the check it makes fail and exactly which of that check's counted
 problems it explains (verdicts, case labels, problem kinds, log signatures), and
@@ -31,82 +31,9 @@ class Known:
     servers: frozenset[str] = BOTH
 
 
-KNOWN = [
-    Known(
-        "worker-drain-503",
-        "a worker that is shutting down answers the requests the server sent it after its "
-        "SIGTERM with 503 instead of handing them back (error code worker_draining), so "
-        "the client gets 503 where another worker could have served it",
-        "verdicts",
-        "unexpected",
-        frozenset({"error:503:service_unavailable"}),
-    ),
-    Known(
-        "v1-html-404",
-        "unknown /v1/ paths get Django's HTML 404 page, not a JSON error (SPEC §5)",
-        "HTTP: JSON errors on /v1/ routes",
-        "labels",
-        frozenset({"unknown /v1/ path", "POST to an unknown /v1/ path"}),
-    ),
-    Known(
-        "uvicorn-204-body",
-        "under uvicorn a worker's 204/304 answer reaches the client with its body "
-        "(SPEC §5: no body), which desynchronises a keep-alive connection",
-        "hostile lane answered",
-        "kinds",
-        frozenset({"body on 204/304"}),
-        UVICORN,
-    ),
-    Known(
-        "uvicorn-header-control-char",
-        "a worker's response header value with a control character other than CR/LF/NUL "
-        "makes uvicorn refuse the response: the client's connection is dropped with no "
-        "answer and the server logs a traceback",
-        "hostile lane answered",
-        "kinds",
-        frozenset({"no answer (eof)"}),
-        UVICORN,
-    ),
-    Known(
-        "uvicorn-header-control-char-log",
-        "(the same, in the server log)",
-        "logs clean",
-        "signatures",
-        frozenset(
-            {
-                "relay.http: unexpected error serving POST /v1/* / "
-                "RuntimeError: Invalid HTTP header value.",
-                "uvicorn.error: ASGI callable returned without completing response.",
-            }
-        ),
-        UVICORN,
-    ),
-    Known(
-        "uvicorn-upgrade-hang",
-        "under uvicorn a POST to an API route with 'Upgrade: websocket' gets no answer "
-        "and its connection stays open",
-        "HTTP: a reaction to every complete request",
-        "labels",
-        frozenset({"Upgrade: websocket on an API route"}),
-        UVICORN,
-    ),
-    Known(
-        "uvicorn-utf8-traceback",
-        "under uvicorn every WebSocket text frame with invalid UTF-8 logs an ERROR with a "
-        "traceback (the worker is still closed with 1007)",
-        "logs clean",
-        "signatures",
-        frozenset(
-            {
-                "uvicorn.error: Invalid UTF-8 sequence received from client. / UnicodeDecodeError*",
-                # A second such frame while uvicorn is already closing the connection.
-                "asyncio: Fatal error on transport *WebSocketsSansIOProtocol*"
-                " / websockets.exceptions.InvalidState: connection is closing",
-            }
-        ),
-        UVICORN,
-    ),
-]
+#: Empty: every failure the harness found so far is fixed (docs/RELIABILITY.md lists
+#: them and what changed). A failure found later and not fixed at once goes here.
+KNOWN: list[Known] = []
 
 
 def explains(check: Check, server: str) -> list[Known]:

@@ -6,12 +6,21 @@ application gave up on: returning without completing it only closes the transpor
 (which keeps the unread data until the client reads it) and logs an error. Here a
 ``send`` the application cancels while it waits for such a client aborts the
 connection instead, as :mod:`modelrelay_site.daphne_compat` does under daphne.
+It also stops uvicorn from taking a POST that carries ``Upgrade: websocket`` for a
+WebSocket handshake: it would hand the connection to its WebSocket protocol, which
+never answers a POST. Such a request is an ordinary HTTP request (daphne answers it
+like any other).
+
+And a worker's text frame that is not UTF-8 is the peer's fault, not a server error:
+uvicorn logs it as an ERROR with a traceback; the worker consumer already logs the
+1007 close in one line, so uvicorn's record is dropped.
 Installed by ``manage.py serve --server uvicorn``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 
@@ -24,6 +33,30 @@ def install() -> None:
             continue
         cycle.send = _aborting(cycle.send)
         cycle._relay_abort_on_cancel = True
+    for protocol in (httptools_impl.HttpToolsProtocol, h11_impl.H11Protocol):
+        _get_upgrades_only(protocol)
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _PeerFaults) for f in logger.filters):
+        logger.addFilter(_PeerFaults())
+
+
+class _PeerFaults(logging.Filter):
+    """Drops uvicorn's traceback for a peer's invalid UTF-8 (logged by the consumer)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Invalid UTF-8 sequence received from client."
+
+
+def _get_upgrades_only(protocol: Any) -> None:
+    if getattr(protocol, "_relay_get_upgrades_only", False):
+        return
+    original = protocol._should_upgrade
+
+    def should_upgrade(self: Any) -> bool:
+        return self.scope.get("method") == "GET" and bool(original(self))
+
+    protocol._should_upgrade = should_upgrade
+    protocol._relay_get_upgrades_only = True
 
 
 def _aborting(original: Any) -> Any:

@@ -8,6 +8,7 @@ framing the relay recomputes itself, and what the relay owns: cookies and CORS.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 FORWARDED_REQUEST_HEADERS = frozenset(
@@ -77,12 +78,13 @@ def response_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
             continue
         if lowered.startswith(RELAY_OWNED_PREFIXES):
             continue
-        if not _is_token(lowered) or any(c in value for c in "\r\n\0"):
-            continue
+        if not _is_token(lowered) or _CONTROL.search(value):
+            continue  # (a server would refuse, or pass on, a control character)
         out.append((lowered.encode("latin-1"), value.encode("latin-1", "replace")))
     return out
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz")
 
 

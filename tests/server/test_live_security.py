@@ -151,3 +151,30 @@ async def test_names_from_outside_cannot_forge_log_lines(relay_server_factory):
     lines = server.log().splitlines()
     assert not any(line.startswith(forged) for line in lines)
     assert any("box\\n2026-01-01" in line for line in lines)
+
+
+async def test_a_post_asking_to_upgrade_to_a_websocket_still_gets_an_answer(relay_server_factory):
+    with relay_server_factory() as server:
+        body = b'{"model":"m"}'
+        head = post_head(Content_Length=str(len(body)), Upgrade="websocket", Connection="Upgrade")
+        response = await exchange(server, head + body, until=b"\r\n\r\n")
+        # Refused (daphne will not upgrade a POST; uvicorn no longer hands it to its
+        # WebSocket protocol, which never answered), but answered at once.
+        assert status_of(response) in (400, 404, 405)
+
+
+async def test_invalid_utf8_from_a_worker_is_one_warning_not_a_traceback(relay_server_factory):
+    with relay_server_factory() as server:
+        async with await connect(server) as ws:
+            await register(ws)
+            await ws.send(b'{"type":"pong","x":"\xff"}', text=True)
+            code = None
+            async with asyncio.timeout(5):
+                try:
+                    while True:
+                        await ws.recv()
+                except Exception as exc:
+                    code = getattr(getattr(exc, "rcvd", None), "code", None)
+            assert code == 1007
+        server.wait_for_log("worker disconnected")
+    assert "Traceback" not in server.log()

@@ -80,6 +80,8 @@ async def test_worker_headers_cannot_set_cookies_or_cors_and_responses_say_nosni
                 "Access-Control-Allow-Origin": "*",
                 "access-control-allow-credentials": "true",
                 "x-upstream": "kept",
+                "x-odd": "a\x7fb",
+                "x-bell": "ring\x07",
             },
         )
         status, headers, _ = await call.response()
@@ -89,6 +91,7 @@ async def test_worker_headers_cannot_set_cookies_or_cors_and_responses_say_nosni
     assert origins == ["https://app.example"]  # the relay's own, once
     assert "access-control-allow-credentials" not in headers
     assert headers["x-upstream"] == "kept"
+    assert "x-odd" not in headers and "x-bell" not in headers  # control characters
     assert headers["x-content-type-options"] == "nosniff"
     for path, method in (("/health", "GET"), ("/v1/models", "GET"), ("/metrics", "GET")):
         status, headers, _ = await (await HttpCall(method, path).send()).response()
