@@ -81,6 +81,30 @@ def test_nginx_accepts_the_production_config(tmp_path):
     assert "test is successful" in result.stderr
 
 
+def test_nginx_accepts_the_compose_cluster_config(tmp_path):
+    binary = nginx_binary()
+    # Inside compose `server` resolves to the replicas; here to nothing, so use loopback.
+    site = (DEPLOY / "nginx-compose-cluster.conf").read_text()
+    site = site.replace("server server:8080;", "server 127.0.0.1:8080;")
+    conf = nginx_main_config(tmp_path, site)
+    result = subprocess.run(
+        [*nginx_command(binary, tmp_path, conf), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_compose_cluster_override_scales_the_server_behind_nginx():
+    text = (ROOT / "docker-compose.cluster.yml").read_text()
+    assert "./deploy/nginx-compose-cluster.conf:" in text
+    assert "ports: !reset []" in text  # replicas cannot all publish one host port
+    for shared in ("MODELRELAY_SECRET_PEPPER", "DJANGO_SECRET_KEY"):
+        assert f"${{{shared}:?" in text  # required, never committed
+    assert "PROXY_URL: http://front:8080" in text
+
+
 def test_caddy_accepts_the_caddyfile():
     text = (DEPLOY / "Caddyfile").read_text()
     assert re.search(r"^\treverse_proxy 127\.0\.0\.1:8080 \{$", text, re.M)
@@ -332,6 +356,13 @@ def test_the_systemd_units_drain_on_sigterm_and_wait_long_enough():
     data_dir = env_example(SERVER_ENV)[0]["DATA_DIR"]
     assert server["ReadWritePaths"] == [data_dir]
 
+    member = unit("modelrelay@.service")["Service"]  # one process of a cluster, per port
+    assert member["ExecStart"] == [
+        "/opt/modelrelay/.venv/bin/python manage.py serve --listen 127.0.0.1:%i"
+    ]
+    for setting in ("KillSignal", "TimeoutStopSec", "EnvironmentFile", "User", "Restart"):
+        assert member[setting] == server[setting], setting
+
     worker = unit("modelrelay-worker@.service")["Service"]
     assert worker["ExecStart"] == ["/opt/modelrelay/.venv/bin/python worker.py"]
     assert worker["EnvironmentFile"] == ["/etc/modelrelay/worker-%i.env"]
@@ -348,6 +379,7 @@ def test_systemd_accepts_the_units(tmp_path):
     # verify insists that ExecStart exists: point it at this Python for the check.
     for name, target in (
         ("modelrelay.service", "modelrelay.service"),
+        ("modelrelay@.service", "modelrelay@8081.service"),
         ("modelrelay-worker@.service", "modelrelay-worker@gpu-box-1.service"),
     ):
         text = (DEPLOY / name).read_text()
@@ -360,6 +392,7 @@ def test_systemd_accepts_the_units(tmp_path):
             "verify",
             "--man=no",
             "modelrelay.service",
+            "modelrelay@8081.service",
             "modelrelay-worker@gpu-box-1.service",
         ],
         cwd=tmp_path,
