@@ -69,7 +69,12 @@ def home(request: HttpRequest) -> HttpResponse:
 
 
 async def live_snapshot(rt: runtime.Runtime) -> dict[str, Any]:
-    return snapshot.dashboard(rt.relay, workers_list=await rt.workers())
+    document = snapshot.dashboard(rt.relay, workers_list=await rt.workers())
+    if rt.placement is not None:
+        # Cluster mode: the queue that matters is the shared one (as of the last second).
+        document["stats"]["queue_depth"] = rt.placement.queue_depth
+        document["stats"]["cluster"] = rt.placement.describe()
+    return document
 
 
 @staff_member_required

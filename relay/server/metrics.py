@@ -8,7 +8,8 @@ bounded because :class:`~relay.core.stats.RelayStats` reports unroutable models 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -22,8 +23,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class RelayCollector(Collector):
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Relay, cluster: Callable[[], dict[str, Any]] | None = None) -> None:
         self.relay = relay
+        self.cluster = cluster
 
     def collect(self) -> Iterator[Metric]:
         relay = self.relay
@@ -86,14 +88,34 @@ class RelayCollector(Collector):
             load.add_metric([name], sum(w.load for w in members))
             capacity.add_metric([name], sum(w.max_concurrent for w in members))
         yield from (depth, workers, load, capacity)
+        info = GaugeMetricFamily(
+            "modelrelay_process",
+            "This server process (its series are its own; in cluster mode scrape each one).",
+            labels=["instance"],
+        )
+        info.add_metric([relay.instance], 1)
+        yield info
+        if self.cluster is not None:
+            state = self.cluster()
+            yield GaugeMetricFamily(
+                "modelrelay_cluster_queue_depth",
+                "Requests waiting in the cluster's shared queue (as of the last second).",
+                value=state["queue_depth"],
+            )
+            yield GaugeMetricFamily(
+                "modelrelay_cluster_up",
+                "1 while this process reaches the cluster's Redis, 0 while degraded.",
+                value=1 if state["state"] == "ok" else 0,
+            )
 
 
 class RelayMetrics:
     """One registry per relay runtime; :meth:`observe` is a request observer."""
 
-    def __init__(self, relay: Relay) -> None:
+    def __init__(self, relay: Relay, cluster: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(RelayCollector(relay))
+        self.collector = RelayCollector(relay, cluster)
+        self.registry.register(self.collector)
         self.duration = Histogram(
             "modelrelay_request_duration_seconds",
             "Time from arrival to the end of the response.",

@@ -110,6 +110,7 @@ class Runtime:
                 self.cluster_token,
             )
             self.relay.placement = self.placement
+            self.metrics.collector.cluster = self.placement.describe
             self._tasks.append(loop.create_task(self.placement.run()))
             if settings.CLUSTER_ADVERTISE_URL:
                 self.placement.listening(settings.CLUSTER_ADVERTISE_URL)

@@ -464,6 +464,7 @@ async def test_without_redis_each_process_serves_its_own_workers_and_rejoins(
                     return health["cluster"]["state"] == "degraded"
 
                 await until(degraded, timeout=15)
+                assert "modelrelay_cluster_up 0.0" in (await client.get("/metrics")).text
                 assert await served("near", near) == 200  # A's own worker still serves
                 lonely = await client.post("/v1/chat/completions", json={"model": "far"})
                 assert lonely.status_code == 504  # B's worker cannot be reached without Redis
@@ -474,5 +475,6 @@ async def test_without_redis_each_process_serves_its_own_workers_and_rejoins(
                     return health["cluster"]["state"] == "ok"
 
                 await until(rejoined, timeout=15)
+                assert "modelrelay_cluster_up 1.0" in (await client.get("/metrics")).text
                 await knows(a, "far")
                 assert await served("far", far) == 200
