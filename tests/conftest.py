@@ -43,6 +43,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         pytest.exit(message + "; skipping the PostgreSQL pass", returncode=0)
 
 
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings() -> None:
+    """A test database of this run's own on the shared PostgreSQL server: runs that
+    overlap on one machine never share or drop each other's. (SQLite's is a file in
+    DATA_DIR, each checkout its own.)"""
+    from django.conf import settings
+
+    database = settings.DATABASES["default"]
+    if database["ENGINE"] == "django.db.backends.postgresql":
+        database.setdefault("TEST", {})["NAME"] = f"test_{database['NAME']}_{os.getpid()}"
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_database_pools(request: pytest.FixtureRequest) -> Iterator[None]:
     """Return pooled PostgreSQL connections before the test database is dropped."""
