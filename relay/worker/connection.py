@@ -1,0 +1,629 @@
+"""HTTP/1.1 connections to the backend, kept alive in a small pool, as asyncio protocols.
+
+:class:`relay.worker.backend.Backend` forwards every request through a
+:class:`ConnectionPool`. A streamed response body reaches its consumer from the
+connection's ``data_received`` callback, in the event loop's own I/O step: no task
+wakes up per read, no per-read timeout object is built, and everything one socket
+read returned arrives as one piece (what the backend wrote since the last read,
+never held back for more). That path costs a small fraction of a general HTTP
+client's, which matters at thousands of chunks a second (docs/BENCHMARKS.md).
+
+Only what a forwarding worker needs: ``POST`` with a ``content-length`` body, one
+request at a time per connection (no pipelining); responses framed by
+``content-length``, ``transfer-encoding: chunked`` or the connection's close;
+``1xx`` responses skipped; ``gzip``/``deflate`` bodies decoded (the worker asks for
+``identity``); plain TCP or TLS. Failures raise the ``httpx`` exceptions the worker
+already handles (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError`` ...), so
+``describe()`` names them as before.
+
+Flow control: :meth:`BackendConnection.hold` stops reading the socket (TCP then slows
+the backend) and :meth:`BackendConnection.release` starts again; the read timeout
+does not run while held. Imports nothing from Django.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import select
+import ssl
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit
+
+import httpx
+
+#: A response head (status line and headers) larger than this is refused.
+MAX_HEAD_BYTES = 64 * 1024
+#: Header names a request may carry: RFC 9110 tokens.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: Characters a request target may hold as they are; anything else is percent-encoded.
+_TARGET_SAFE = "/%?#[]@!$&'()*+,;=:-._~"
+
+BodySink = Callable[[bytes], None]
+
+
+class BodyTooLarge(Exception):
+    """A collected (non-streamed) body passed its limit; the connection was closed."""
+
+
+@dataclass(slots=True)
+class ResponseHead:
+    status: int
+    #: ``(lowercased name, value)`` in the order received, repeats included.
+    headers: list[tuple[str, str]]
+
+    def get(self, name: str, default: str = "") -> str:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return default
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where the backend listens, parsed once from ``--backend-url``."""
+
+    scheme: str
+    host: str
+    port: int
+    #: The URL's path without its trailing slash, prefixed to every request path.
+    base: str
+
+    @classmethod
+    def parse(cls, url: str) -> Origin:
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        port = parts.port or (443 if scheme == "https" else 80)
+        return cls(scheme, parts.hostname or "", port, parts.path.rstrip("/"))
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.scheme == "https" else 80
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+def request_head(origin: Origin, path: str, headers: dict[str, str], length: int) -> bytes:
+    """The bytes of a ``POST`` request head; ``LocalProtocolError`` for unsendable headers.
+
+    ``headers`` (names in lower case) come after ``host`` and replace the defaults
+    ``accept`` and ``connection``; ``content-length`` is set from ``length``.
+    """
+    target = origin.base + path
+    if not target.isascii() or not target.isprintable() or " " in target:
+        target = quote(target, safe=_TARGET_SAFE)
+    lines = [f"POST {target} HTTP/1.1", f"host: {origin.authority}"]
+    for name, value in ({"accept": "*/*", "connection": "keep-alive"} | headers).items():
+        if _TOKEN.fullmatch(name) is None:
+            raise httpx.LocalProtocolError(f"invalid header name {name[:40]!r}")
+        if "\r" in value or "\n" in value or "\0" in value or not value.isascii():
+            raise httpx.LocalProtocolError(f"invalid value for header {name!r}")
+        lines.append(f"{name}: {value}")
+    lines.append(f"content-length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
+
+
+# Body framing of a response.
+_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
+# Where the chunked decoder is inside the body.
+_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+
+def _decoder(encoding: str) -> zlib._Decompress | None:
+    encoding = encoding.strip().lower()
+    if encoding in ("gzip", "x-gzip"):
+        return zlib.decompressobj(zlib.MAX_WBITS | 16)
+    if encoding == "deflate":
+        return zlib.decompressobj()
+    return None  # identity, or an encoding httpx would not decode either
+
+
+class BackendConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one exchange at a time.
+
+    An exchange: :meth:`start` writes the request and returns the response head; then
+    either :meth:`stream` hands each read's body bytes to a sink as they arrive, or
+    :meth:`collect` gathers the body; :meth:`finished` waits for its end. Any failure
+    closes the connection and raises from the awaited call.
+    """
+
+    def __init__(self, pool: ConnectionPool) -> None:
+        self._pool = pool
+        self._loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._buf = b""
+        self._head: asyncio.Future[ResponseHead] | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._framing = _NONE
+        self._remaining = 0
+        self._chunk_state = _SIZE
+        self._reusable = False
+        self._sink: BodySink | None = None
+        self._early: list[bytes] = []
+        self._parts: list[bytes] | None = None
+        self._limit = 0
+        self._size = 0
+        self._inflate: zlib._Decompress | None = None
+        self._holds = 0
+        #: From :meth:`start` until the body ended or failed.
+        self._active = False
+        self._read_timeout: float | None = None
+        self._last_read = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._writable: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.transport = None
+        self._pool.forget(self)
+        self._stop_timer()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        if not self._active:
+            return
+        if self._framing == _UNTIL_CLOSE and exc is None and self._done is not None:
+            self._end_body()  # the close is the end of a close-delimited body
+            return
+        if exc is not None:
+            self._fail(httpx.ReadError(str(exc) or type(exc).__name__))
+        elif self._head is not None and not self._head.done():
+            self._fail(httpx.RemoteProtocolError("Server disconnected without sending a response."))
+        else:
+            what = "incomplete chunked read" if self._framing == _CHUNKED else "received less "
+            if self._framing == _LENGTH:
+                what += f"than content-length; {self._remaining} bytes missing"
+            self._fail(
+                httpx.RemoteProtocolError(
+                    f"peer closed connection without sending complete message body ({what})"
+                )
+            )
+
+    def eof_received(self) -> bool | None:
+        return False  # close our side too: a half-closed backend connection is useless
+
+    def pause_writing(self) -> None:
+        self._writable = self._loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    def data_received(self, data: bytes) -> None:
+        self._last_read = self._loop.time()
+        if not self._active:
+            # Idle, or after the end of a response: a well-behaved server sends nothing.
+            self.abort()
+            return
+        if self._buf:
+            data = self._buf + data
+            self._buf = b""
+        try:
+            if self._head is not None:
+                data = self._parse_head(data)
+                if self._head is not None:
+                    return  # the head is not complete yet
+            if self._framing == _CHUNKED:
+                self._chunked(data)
+            elif self._framing == _LENGTH:
+                if len(data) >= self._remaining:
+                    body, extra = data[: self._remaining], data[self._remaining :]
+                    self._remaining = 0
+                    if extra:
+                        raise httpx.RemoteProtocolError("data after the end of the response")
+                    if body:
+                        self._deliver(body)
+                    self._end_body()
+                else:
+                    self._remaining -= len(data)
+                    self._deliver(data)
+            elif self._framing == _UNTIL_CLOSE:
+                if data:
+                    self._deliver(data)
+            elif data:
+                raise httpx.RemoteProtocolError("data after the end of the response")
+        except (httpx.HTTPError, BodyTooLarge, zlib.error) as exc:
+            if isinstance(exc, zlib.error):
+                exc = httpx.DecodingError(f"cannot decode the response body: {exc}")
+            self._fail(exc)
+            self.abort()
+
+    # -- parsing ---------------------------------------------------------------------
+
+    def _parse_head(self, data: bytes) -> bytes:
+        """Parse a complete response head from ``data``; return what follows it."""
+        assert self._head is not None
+        while True:
+            end = data.find(b"\r\n\r\n")
+            if end < 0:
+                if len(data) > MAX_HEAD_BYTES:
+                    raise httpx.RemoteProtocolError("the response head is too large")
+                self._buf = data
+                return b""
+            lines = data[:end].decode("latin-1").split("\r\n")
+            data = data[end + 4 :]
+            version, _, rest = lines[0].partition(" ")
+            code = rest[:3]
+            if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+                raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80]!r}")
+            status = int(code)
+            if 100 <= status < 200:
+                continue  # an interim response: the real one follows
+            break
+        headers: list[tuple[str, str]] = []
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon or not name or name != name.strip():
+                raise httpx.RemoteProtocolError(f"malformed header line {line[:80]!r}")
+            headers.append((name.lower(), _text(value.strip(" \t"))))
+        head = ResponseHead(status, headers)
+        keep_alive = version == "HTTP/1.1"
+        encodings, lengths = [], []
+        for name, value in headers:
+            if name == "transfer-encoding":
+                encodings += [t.strip().lower() for t in value.split(",")]
+            elif name == "content-length":
+                lengths.append(value)
+            elif name == "connection" and "close" in value.lower():
+                keep_alive = False
+            elif name == "content-encoding":
+                self._inflate = _decoder(value)
+        if status in (204, 304):
+            self._framing = _NONE
+        elif encodings:
+            if encodings[-1] != "chunked":
+                raise httpx.RemoteProtocolError("unsupported transfer-encoding")
+            self._framing, self._chunk_state = _CHUNKED, _SIZE
+        elif lengths:
+            if len(set(lengths)) != 1 or not lengths[0].isdigit():
+                raise httpx.RemoteProtocolError("invalid content-length")
+            self._framing, self._remaining = _LENGTH, int(lengths[0])
+        else:
+            self._framing, keep_alive = _UNTIL_CLOSE, False
+        self._reusable = keep_alive
+        waiter, self._head = self._head, None
+        if not waiter.done():
+            waiter.set_result(head)
+        if self._framing == _NONE or (self._framing == _LENGTH and not self._remaining):
+            self._framing = _NONE
+            self._end_body()
+        return data
+
+    def _chunked(self, data: bytes) -> None:
+        pieces: list[bytes] = []
+        state, at, size = self._chunk_state, 0, len(data)
+        while at < size:
+            if state == _SIZE:
+                end = data.find(b"\r\n", at)
+                if end < 0:
+                    break
+                line = data[at:end].split(b";", 1)[0].strip()
+                try:
+                    self._remaining = int(line, 16)
+                except ValueError:
+                    raise httpx.RemoteProtocolError("malformed chunk size") from None
+                at = end + 2
+                state = _DATA if self._remaining else _TRAILER
+            elif state == _DATA:
+                take = min(self._remaining, size - at)
+                pieces.append(data[at : at + take])
+                at += take
+                self._remaining -= take
+                if not self._remaining:
+                    state = _DATA_END
+            elif state == _DATA_END:
+                if size - at < 2:
+                    break
+                if data[at : at + 2] != b"\r\n":
+                    raise httpx.RemoteProtocolError("malformed chunk end")
+                at += 2
+                state = _SIZE
+            else:  # trailer lines, up to an empty one
+                end = data.find(b"\r\n", at)
+                if end < 0:
+                    break
+                line_empty = end == at
+                at = end + 2
+                if line_empty:
+                    if at < size:
+                        raise httpx.RemoteProtocolError("data after the end of the response")
+                    self._chunk_state = state
+                    if pieces:
+                        self._deliver(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+                    self._end_body()
+                    return
+        self._chunk_state = state
+        if at < size:
+            if size - at > MAX_HEAD_BYTES:
+                raise httpx.RemoteProtocolError("malformed chunked body")
+            self._buf = data[at:]
+        if pieces:
+            self._deliver(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+
+    def _deliver(self, data: bytes) -> None:
+        if self._inflate is not None:
+            data = self._inflate.decompress(data)
+            if not data:
+                return
+        if self._parts is not None:
+            self._size += len(data)
+            if self._size > self._limit:
+                raise BodyTooLarge()
+            self._parts.append(data)
+        elif self._sink is not None and not self._early and not self._holds:
+            self._sink(data)
+        else:
+            self._early.append(data)
+
+    def _end_body(self) -> None:
+        if self._inflate is not None:
+            rest = self._inflate.flush()
+            self._inflate = None
+            if rest:
+                self._deliver(rest)
+        self._framing = _NONE
+        self._active = False
+        self._stop_timer()
+        done = self._done
+        if done is not None and not done.done():
+            if self._sink is not None and self._early:
+                self._flush_early()  # the whole body is read: nothing may stay behind
+            done.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._reusable = False
+        self._active = False
+        self._stop_timer()
+        for waiter in (self._head, self._done):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc)
+        self._head = None
+
+    # -- one exchange ------------------------------------------------------------------
+
+    async def start(
+        self, head: bytes, body: bytes, *, write_timeout: float, read_timeout: float | None
+    ) -> ResponseHead:
+        """Send a request; the response head once it arrived."""
+        transport = self.transport
+        if transport is None or self.closed:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        loop = self._loop
+        self._head = loop.create_future()
+        self._done = loop.create_future()
+        self._read_timeout = read_timeout
+        self._framing, self._sink, self._parts, self._early = _NONE, None, None, []
+        self._buf, self._inflate, self._chunk_state = b"", None, _SIZE
+        self._reusable, self._active = False, True
+        transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            transport.write(body)
+        if self._writable is not None:
+            try:
+                async with asyncio.timeout(write_timeout):
+                    await asyncio.shield(self._writable)
+            except TimeoutError:
+                raise httpx.WriteTimeout("timed out writing to the backend") from None
+        self._last_read = loop.time()
+        self._arm_timer()
+        return await self._head
+
+    def stream(self, sink: BodySink) -> None:
+        """Hand every read's body bytes to ``sink`` from now on.
+
+        What arrived with the head goes to ``sink`` at once, held or not: it was read
+        before any hold could take effect (as the one read under way when it comes).
+        """
+        self._sink = sink
+        if self._early:
+            self._flush_early()
+
+    def collect(self, limit: int) -> None:
+        """Gather the body; more than ``limit`` bytes ends the exchange with BodyTooLarge."""
+        early, self._early = self._early, []
+        self._parts, self._limit, self._size = [], limit, 0
+        for piece in early:
+            self._deliver(piece)
+
+    def body(self) -> bytes:
+        parts = self._parts or []
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def finished(self) -> None:
+        """Wait for the end of the body; raises what ended it otherwise."""
+        assert self._done is not None
+        await self._done
+
+    @property
+    def reusable(self) -> bool:
+        """Whether the exchange ended cleanly and the connection may serve another."""
+        done = self._done
+        return (
+            self._reusable
+            and not self.closed
+            and done is not None
+            and done.done()
+            and not done.cancelled()
+            and done.exception() is None
+        )
+
+    def _flush_early(self) -> None:
+        sink, early = self._sink, self._early
+        assert sink is not None
+        self._early = []
+        data = early[0] if len(early) == 1 else b"".join(early)
+        if data:
+            sink(data)
+
+    # -- flow control and timeouts ---------------------------------------------------
+
+    def hold(self) -> None:
+        """Stop reading the response until as many :meth:`release` calls came.
+
+        Holds nest: the relay's ``pause`` and a full relay connection each hold once.
+        No read timeout runs while held.
+        """
+        self._holds += 1
+        if self._holds == 1:
+            self._stop_timer()
+            if self.transport is not None:
+                self.transport.pause_reading()
+
+    def release(self) -> None:
+        if not self._holds:
+            return
+        self._holds -= 1
+        if self._holds or self.transport is None or self.closed:
+            return
+        if self._sink is not None and self._early:
+            self._flush_early()
+            if self._holds:  # the sink's relay connection filled up again
+                return
+        if self._active:
+            self._last_read = self._loop.time()
+            self._arm_timer()
+        self.transport.resume_reading()
+
+    @property
+    def held(self) -> bool:
+        return self._holds > 0
+
+    def _arm_timer(self) -> None:
+        if self._read_timeout is None or self._timer is not None or self._holds:
+            return
+        self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._check_timeout)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_timeout(self) -> None:
+        # One timer per exchange, pushed back lazily: reads only record their time.
+        self._timer = None
+        if self._read_timeout is None or self._holds:
+            return
+        if self._loop.time() - self._last_read >= self._read_timeout:
+            self._fail(httpx.ReadTimeout("timed out reading from the backend"))
+            self.abort()
+        else:
+            self._arm_timer()
+
+    def quiet(self) -> bool:
+        """Whether the idle socket has nothing to read: no close from the backend on
+        its way that the event loop has not seen yet (then the next request would fail)."""
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None:
+            return False
+        poll = select.poll()
+        poll.register(sock.fileno(), select.POLLIN)
+        try:
+            return not poll.poll(0)
+        except OSError:
+            return False
+
+    # -- ending ------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Drop the connection at once (the backend sees the request abandoned)."""
+        self.closed = True
+        self._stop_timer()
+        self._pool.forget(self)
+        if self.transport is not None:
+            self.transport.abort()
+        for waiter in (self._head, self._done):
+            if waiter is not None and waiter.done() and not waiter.cancelled():
+                waiter.exception()  # retrieved: nobody else will look at it now
+
+
+def _text(value: str) -> str:
+    """A header value decoded as UTF-8 when it is that, else as latin-1 (as read)."""
+    if value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeDecodeError:
+        return value
+
+
+class ConnectionPool:
+    """Connections to one backend: idle ones kept for reuse, new ones opened as needed.
+
+    At most ``max_idle`` idle connections are kept, each for at most ``keepalive_secs``
+    (backends close idle connections after a few seconds: uvicorn, under vLLM, after 5).
+    A connection the backend closes while idle leaves the pool at once.
+    """
+
+    def __init__(
+        self,
+        origin: Origin,
+        *,
+        connect_timeout: float,
+        max_idle: int = 64,
+        keepalive_secs: float = 5.0,
+    ) -> None:
+        self.origin = origin
+        self.connect_timeout = connect_timeout
+        self.max_idle = max_idle
+        self.keepalive_secs = keepalive_secs
+        self.loop = asyncio.get_running_loop()
+        self._idle: list[BackendConnection] = []
+        self._ssl: ssl.SSLContext | None = None
+        if origin.scheme == "https":
+            self._ssl = httpx.create_ssl_context()
+            self._ssl.set_alpn_protocols(["http/1.1"])
+
+    async def acquire(self) -> BackendConnection:
+        """An idle connection still fresh, else a new one."""
+        now = self.loop.time()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_secs and conn.quiet():
+                return conn
+            conn.abort()
+        return await self._connect()
+
+    def release(self, conn: BackendConnection) -> None:
+        """Return ``conn`` after an exchange: kept when reusable and there is room."""
+        if not conn.reusable or conn.held or len(self._idle) >= self.max_idle:
+            conn.abort()
+            return
+        conn.idle_since = self.loop.time()
+        self._idle.append(conn)
+
+    def forget(self, conn: BackendConnection) -> None:
+        if conn in self._idle:
+            self._idle.remove(conn)
+
+    def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.abort()
+
+    async def _connect(self) -> BackendConnection:
+        o = self.origin
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await self.loop.create_connection(
+                    lambda: BackendConnection(self),
+                    o.host,
+                    o.port,
+                    ssl=self._ssl,
+                    server_hostname=o.host if self._ssl is not None else None,
+                )
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"timed out connecting to {o.host}:{o.port}") from None
+        except (OSError, ssl.SSLError) as exc:
+            raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
+        return conn
