@@ -51,5 +51,5 @@ def markdown(res: dict[str, Any], command: str) -> str:
         lines += ["### Notes", "", *[f"- {n}" for n in notes], ""]
     profiles = res.get("profiles")
     if profiles:
-        lines += profile_lines(profiles)
+        lines += profile_lines(profiles, res=res)
     return "\n".join(lines).rstrip() + "\n"
