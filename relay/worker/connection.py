@@ -30,6 +30,7 @@ import ssl
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import quote, urlsplit
 
 import httpx
@@ -159,8 +160,7 @@ class BackendConnection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
