@@ -16,11 +16,14 @@ passes its high-water mark), every backend response being streamed is held
 from __future__ import annotations
 
 import asyncio
+import os
+import struct
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
 from websockets.asyncio.client import ClientConnection
+from websockets.frames import apply_mask
 from websockets.protocol import State
 
 from relay.wire.protocol import ServerMessage, WorkerMessage
@@ -45,6 +48,34 @@ def chunk_frame(prefix: bytes, text: str) -> bytes:
 
 
 Spawn = Callable[[Coroutine[Any, Any, Any], str], Any]
+
+#: RFC 6455 §5.2: FIN + text opcode, then MASK + the payload length in 7, 16 or 64 bits.
+_SHORT = struct.Struct("!BB")
+_MEDIUM = struct.Struct("!BBH")
+_LONG = struct.Struct("!BBQ")
+_FIN_TEXT, _MASK = 0x81, 0x80
+
+
+def masked_text_frames(payloads: list[bytes]) -> bytes:
+    """Each payload as one masked, unfragmented text frame, as a client must send it.
+
+    What ``websockets`` writes for ``send_text`` without extensions (the worker
+    negotiates none), built at a tenth of the cost: one random draw for every
+    frame's masking key, no frame object.
+    """
+    keys = os.urandom(4 * len(payloads))
+    out: list[bytes] = []
+    for i, data in enumerate(payloads):
+        key = keys[4 * i : 4 * i + 4]
+        size = len(data)
+        if size < 126:
+            head = _SHORT.pack(_FIN_TEXT, _MASK | size)
+        elif size < 65536:
+            head = _MEDIUM.pack(_FIN_TEXT, _MASK | 126, size)
+        else:
+            head = _LONG.pack(_FIN_TEXT, _MASK | 127, size)
+        out += (head, key, apply_mask(data, key))
+    return b"".join(out)
 
 
 class Outbox:
@@ -74,21 +105,12 @@ class Outbox:
             return
         self._pending = []
         ws = self.ws
-        protocol = ws.protocol
-        if protocol.state is not State.OPEN:
+        if ws.protocol.state is not State.OPEN:
             return  # the connection is ending: so is the session, with its requests
-        for frame in frames:
-            protocol.send_text(frame)
-        data = protocol.data_to_send()
+        # Complete frames, written between websockets' own (it writes whole frames too,
+        # and the worker never sends a fragmented message).
         transport = ws.transport
-        if all(data):
-            transport.write(data[0] if len(data) == 1 else b"".join(data))
-        else:  # b"" marks the end of the stream, as in websockets' own send_data()
-            for piece in data:
-                if piece:
-                    transport.write(piece)
-                elif transport.can_write_eof():
-                    transport.write_eof()
+        transport.write(masked_text_frames(frames))
         if not self._congested and (
             transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]
         ):
