@@ -379,10 +379,12 @@ class BackendConnection(asyncio.Protocol):
             if self._sink is not None and self._early:
                 self._flush_early()  # the whole body is read: nothing may stay behind
             done.set_result(None)
+        self._sink = None  # a pooled connection keeps nothing of the exchange alive
 
     def _fail(self, exc: BaseException) -> None:
         self._reusable = False
         self._active = False
+        self._sink, self._parts, self._early = None, None, []
         self._stop_timer()
         for waiter in (self._head, self._done):
             if waiter is not None and not waiter.done():
@@ -436,7 +438,8 @@ class BackendConnection(asyncio.Protocol):
             self._deliver(piece)
 
     def body(self) -> bytes:
-        parts = self._parts or []
+        """The collected body (once: a pooled connection does not keep it)."""
+        parts, self._parts = self._parts or [], None
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def finished(self) -> None:
