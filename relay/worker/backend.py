@@ -27,13 +27,8 @@ from relay.wire.protocol import Request, ResponseComplete
 from relay.wire.sse import error_event
 from relay.worker import network
 from relay.worker.config import Config
-from relay.worker.connection import (
-    BackendConnection,
-    BodyTooLarge,
-    ConnectionPool,
-    Origin,
-    request_head,
-)
+from relay.worker.connection import BackendConnection, BodyTooLarge, ConnectionPool
+from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
 from relay.worker.usage import UsageScanner
 

@@ -8,10 +8,8 @@ read returned arrives as one piece (what the backend wrote since the last read,
 never held back for more). That path costs a small fraction of a general HTTP
 client's, which matters at thousands of chunks a second (docs/BENCHMARKS.md).
 
-Only what a forwarding worker needs: ``POST`` with a ``content-length`` body, one
-request at a time per connection (no pipelining); responses framed by
-``content-length``, ``transfer-encoding: chunked`` or the connection's close;
-``1xx`` responses skipped; ``gzip``/``deflate`` bodies decoded (the worker asks for
+One request at a time per connection (no pipelining), in the message syntax of
+:mod:`relay.worker.http1`; ``gzip``/``deflate`` bodies decoded (the worker asks for
 ``identity``); plain TCP or TLS. Failures raise the ``httpx`` exceptions the worker
 already handles (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError`` ...), so
 ``describe()`` names them as before.
@@ -24,101 +22,31 @@ does not run while held. Imports nothing from Django.
 from __future__ import annotations
 
 import asyncio
-import re
 import select
 import ssl
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
-from urllib.parse import quote, urlsplit
 
 import httpx
 
-#: A response head (status line and headers) larger than this is refused.
-MAX_HEAD_BYTES = 64 * 1024
-#: Header names a request may carry: RFC 9110 tokens.
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-#: Characters a request target may hold as they are; anything else is percent-encoded.
-_TARGET_SAFE = "/%?#[]@!$&'()*+,;=:-._~"
+from relay.worker.http1 import (
+    CHUNKED,
+    LENGTH,
+    NO_BODY,
+    UNTIL_CLOSE,
+    ChunkedBody,
+    Origin,
+    ResponseHead,
+    content_decoder,
+    parse_head,
+)
 
 BodySink = Callable[[bytes], None]
 
 
 class BodyTooLarge(Exception):
     """A collected (non-streamed) body passed its limit; the connection was closed."""
-
-
-@dataclass(slots=True)
-class ResponseHead:
-    status: int
-    #: ``(lowercased name, value)`` in the order received, repeats included.
-    headers: list[tuple[str, str]]
-
-    def get(self, name: str, default: str = "") -> str:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return default
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where the backend listens, parsed once from ``--backend-url``."""
-
-    scheme: str
-    host: str
-    port: int
-    #: The URL's path without its trailing slash, prefixed to every request path.
-    base: str
-
-    @classmethod
-    def parse(cls, url: str) -> Origin:
-        parts = urlsplit(url)
-        scheme = parts.scheme.lower()
-        port = parts.port or (443 if scheme == "https" else 80)
-        return cls(scheme, parts.hostname or "", port, parts.path.rstrip("/"))
-
-    @property
-    def authority(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        default = 443 if self.scheme == "https" else 80
-        return host if self.port == default else f"{host}:{self.port}"
-
-
-def request_head(origin: Origin, path: str, headers: dict[str, str], length: int) -> bytes:
-    """The bytes of a ``POST`` request head; ``LocalProtocolError`` for unsendable headers.
-
-    ``headers`` (names in lower case) come after ``host`` and replace the defaults
-    ``accept`` and ``connection``; ``content-length`` is set from ``length``.
-    """
-    target = origin.base + path
-    if not target.isascii() or not target.isprintable() or " " in target:
-        target = quote(target, safe=_TARGET_SAFE)
-    lines = [f"POST {target} HTTP/1.1", f"host: {origin.authority}"]
-    for name, value in ({"accept": "*/*", "connection": "keep-alive"} | headers).items():
-        if _TOKEN.fullmatch(name) is None:
-            raise httpx.LocalProtocolError(f"invalid header name {name[:40]!r}")
-        if "\r" in value or "\n" in value or "\0" in value or not value.isascii():
-            raise httpx.LocalProtocolError(f"invalid value for header {name!r}")
-        lines.append(f"{name}: {value}")
-    lines.append(f"content-length: {length}")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
-
-
-# Body framing of a response.
-_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
-# Where the chunked decoder is inside the body.
-_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
-
-
-def _decoder(encoding: str) -> zlib._Decompress | None:
-    encoding = encoding.strip().lower()
-    if encoding in ("gzip", "x-gzip"):
-        return zlib.decompressobj(zlib.MAX_WBITS | 16)
-    if encoding == "deflate":
-        return zlib.decompressobj()
-    return None  # identity, or an encoding httpx would not decode either
 
 
 class BackendConnection(asyncio.Protocol):
@@ -139,9 +67,9 @@ class BackendConnection(asyncio.Protocol):
         self._buf = b""
         self._head: asyncio.Future[ResponseHead] | None = None
         self._done: asyncio.Future[None] | None = None
-        self._framing = _NONE
+        self._framing = NO_BODY
         self._remaining = 0
-        self._chunk_state = _SIZE
+        self._chunks = ChunkedBody()
         self._reusable = False
         self._sink: BodySink | None = None
         self._early: list[bytes] = []
@@ -171,7 +99,7 @@ class BackendConnection(asyncio.Protocol):
             self._writable.set_result(None)
         if not self._active:
             return
-        if self._framing == _UNTIL_CLOSE and exc is None and self._done is not None:
+        if self._framing == UNTIL_CLOSE and exc is None and self._done is not None:
             self._end_body()  # the close is the end of a close-delimited body
             return
         if exc is not None:
@@ -179,8 +107,8 @@ class BackendConnection(asyncio.Protocol):
         elif self._head is not None and not self._head.done():
             self._fail(httpx.RemoteProtocolError("Server disconnected without sending a response."))
         else:
-            what = "incomplete chunked read" if self._framing == _CHUNKED else "received less "
-            if self._framing == _LENGTH:
+            what = "incomplete chunked read" if self._framing == CHUNKED else "received less "
+            if self._framing == LENGTH:
                 what += f"than content-length; {self._remaining} bytes missing"
             self._fail(
                 httpx.RemoteProtocolError(
@@ -210,12 +138,19 @@ class BackendConnection(asyncio.Protocol):
             self._buf = b""
         try:
             if self._head is not None:
-                data = self._parse_head(data)
-                if self._head is not None:
-                    return  # the head is not complete yet
-            if self._framing == _CHUNKED:
-                self._chunked(data)
-            elif self._framing == _LENGTH:
+                parsed = parse_head(data)
+                if parsed is None:
+                    self._buf = data  # the head is not complete yet
+                    return
+                head, data = parsed
+                self._begin(head)
+            if self._framing == CHUNKED:
+                body = self._chunks.feed(data)
+                if body:
+                    self._deliver(body)
+                if self._chunks.done:
+                    self._end_body()
+            elif self._framing == LENGTH:
                 if len(data) >= self._remaining:
                     body, extra = data[: self._remaining], data[self._remaining :]
                     self._remaining = 0
@@ -227,7 +162,7 @@ class BackendConnection(asyncio.Protocol):
                 else:
                     self._remaining -= len(data)
                     self._deliver(data)
-            elif self._framing == _UNTIL_CLOSE:
+            elif self._framing == UNTIL_CLOSE:
                 if data:
                     self._deliver(data)
             elif data:
@@ -238,117 +173,19 @@ class BackendConnection(asyncio.Protocol):
             self._fail(exc)
             self.abort()
 
-    # -- parsing ---------------------------------------------------------------------
-
-    def _parse_head(self, data: bytes) -> bytes:
-        """Parse a complete response head from ``data``; return what follows it."""
-        assert self._head is not None
-        while True:
-            end = data.find(b"\r\n\r\n")
-            if end < 0:
-                if len(data) > MAX_HEAD_BYTES:
-                    raise httpx.RemoteProtocolError("the response head is too large")
-                self._buf = data
-                return b""
-            lines = data[:end].decode("latin-1").split("\r\n")
-            data = data[end + 4 :]
-            version, _, rest = lines[0].partition(" ")
-            code = rest[:3]
-            if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
-                raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80]!r}")
-            status = int(code)
-            if 100 <= status < 200:
-                continue  # an interim response: the real one follows
-            break
-        headers: list[tuple[str, str]] = []
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if not colon or not name or name != name.strip():
-                raise httpx.RemoteProtocolError(f"malformed header line {line[:80]!r}")
-            headers.append((name.lower(), _text(value.strip(" \t"))))
-        head = ResponseHead(status, headers)
-        keep_alive = version == "HTTP/1.1"
-        encodings, lengths = [], []
-        for name, value in headers:
-            if name == "transfer-encoding":
-                encodings += [t.strip().lower() for t in value.split(",")]
-            elif name == "content-length":
-                lengths.append(value)
-            elif name == "connection" and "close" in value.lower():
-                keep_alive = False
-            elif name == "content-encoding":
-                self._inflate = _decoder(value)
-        if status in (204, 304):
-            self._framing = _NONE
-        elif encodings:
-            if encodings[-1] != "chunked":
-                raise httpx.RemoteProtocolError("unsupported transfer-encoding")
-            self._framing, self._chunk_state = _CHUNKED, _SIZE
-        elif lengths:
-            if len(set(lengths)) != 1 or not lengths[0].isdigit():
-                raise httpx.RemoteProtocolError("invalid content-length")
-            self._framing, self._remaining = _LENGTH, int(lengths[0])
-        else:
-            self._framing, keep_alive = _UNTIL_CLOSE, False
-        self._reusable = keep_alive
+    def _begin(self, head: ResponseHead) -> None:
+        """The response head arrived: hand it to :meth:`start`, set up the body."""
+        self._framing, self._remaining = head.framing, head.length
+        self._reusable = head.keep_alive
+        if head.framing == CHUNKED:
+            self._chunks = ChunkedBody()
+        if head.content_encoding:
+            self._inflate = content_decoder(head.content_encoding)
         waiter, self._head = self._head, None
-        if not waiter.done():
+        if waiter is not None and not waiter.done():
             waiter.set_result(head)
-        if self._framing == _NONE or (self._framing == _LENGTH and not self._remaining):
-            self._framing = _NONE
+        if head.framing == NO_BODY:
             self._end_body()
-        return data
-
-    def _chunked(self, data: bytes) -> None:
-        pieces: list[bytes] = []
-        state, at, size = self._chunk_state, 0, len(data)
-        while at < size:
-            if state == _SIZE:
-                end = data.find(b"\r\n", at)
-                if end < 0:
-                    break
-                line = data[at:end].split(b";", 1)[0].strip()
-                try:
-                    self._remaining = int(line, 16)
-                except ValueError:
-                    raise httpx.RemoteProtocolError("malformed chunk size") from None
-                at = end + 2
-                state = _DATA if self._remaining else _TRAILER
-            elif state == _DATA:
-                take = min(self._remaining, size - at)
-                pieces.append(data[at : at + take])
-                at += take
-                self._remaining -= take
-                if not self._remaining:
-                    state = _DATA_END
-            elif state == _DATA_END:
-                if size - at < 2:
-                    break
-                if data[at : at + 2] != b"\r\n":
-                    raise httpx.RemoteProtocolError("malformed chunk end")
-                at += 2
-                state = _SIZE
-            else:  # trailer lines, up to an empty one
-                end = data.find(b"\r\n", at)
-                if end < 0:
-                    break
-                line_empty = end == at
-                at = end + 2
-                if line_empty:
-                    if at < size:
-                        raise httpx.RemoteProtocolError("data after the end of the response")
-                    self._chunk_state = state
-                    if pieces:
-                        self._deliver(pieces[0] if len(pieces) == 1 else b"".join(pieces))
-                    self._end_body()
-                    return
-        self._chunk_state = state
-        if at < size:
-            if size - at > MAX_HEAD_BYTES:
-                raise httpx.RemoteProtocolError("malformed chunked body")
-            self._buf = data[at:]
-        if pieces:
-            self._deliver(pieces[0] if len(pieces) == 1 else b"".join(pieces))
 
     def _deliver(self, data: bytes) -> None:
         if self._inflate is not None:
@@ -371,7 +208,7 @@ class BackendConnection(asyncio.Protocol):
             self._inflate = None
             if rest:
                 self._deliver(rest)
-        self._framing = _NONE
+        self._framing = NO_BODY
         self._active = False
         self._stop_timer()
         done = self._done
@@ -404,8 +241,8 @@ class BackendConnection(asyncio.Protocol):
         self._head = loop.create_future()
         self._done = loop.create_future()
         self._read_timeout = read_timeout
-        self._framing, self._sink, self._parts, self._early = _NONE, None, None, []
-        self._buf, self._inflate, self._chunk_state = b"", None, _SIZE
+        self._framing, self._sink, self._parts, self._early = NO_BODY, None, None, []
+        self._buf, self._inflate = b"", None
         self._reusable, self._active = False, True
         transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
@@ -548,16 +385,6 @@ class BackendConnection(asyncio.Protocol):
         for waiter in (self._head, self._done):
             if waiter is not None and waiter.done() and not waiter.cancelled():
                 waiter.exception()  # retrieved: nobody else will look at it now
-
-
-def _text(value: str) -> str:
-    """A header value decoded as UTF-8 when it is that, else as latin-1 (as read)."""
-    if value.isascii():
-        return value
-    try:
-        return value.encode("latin-1").decode("utf-8")
-    except UnicodeDecodeError:
-        return value
 
 
 class ConnectionPool:
