@@ -269,10 +269,10 @@ class BackendConnection(asyncio.Protocol):
 
     def collect(self, limit: int) -> None:
         """Gather the body; more than ``limit`` bytes ends the exchange with BodyTooLarge."""
-        early, self._early = self._early, []
-        self._parts, self._limit, self._size = [], limit, 0
-        for piece in early:
-            self._deliver(piece)
+        early, self._early = self._early, []  # already decoded
+        self._parts, self._limit, self._size = early, limit, sum(map(len, early))
+        if self._size > limit:
+            raise BodyTooLarge()
 
     def body(self) -> bytes:
         """The collected body (once: a pooled connection does not keep it)."""

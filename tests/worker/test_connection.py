@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import os
 import zlib
 from collections.abc import Awaitable, Callable, Coroutine
 from types import SimpleNamespace
@@ -162,6 +163,33 @@ def test_a_keepalive_connection_is_reused_and_one_the_backend_closed_is_not(run:
             await collect(pool)
             await collect(pool)
             assert backend.connections == 2
+
+    run(main())
+
+
+def test_a_compressed_body_split_across_reads_is_decoded_once(run: Any) -> None:
+    text = os.urandom(8000).hex().encode()  # compresses only by half
+    zipped = gzip.compress(text)
+    cut = len(zipped) // 2
+
+    async def split(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n%s"
+            % (len(zipped), zipped[:cut])
+        )
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the head and a first piece arrive before the rest
+        writer.write(zipped[cut:])
+        await reader.read()
+
+    async def main() -> None:
+        async with Backend(split) as pool:
+            conn, _ = await post(pool)
+            await asyncio.sleep(0.02)
+            conn.collect(1 << 20)
+            await conn.finished()
+            assert conn.body() == text
 
     run(main())
 
