@@ -376,15 +376,24 @@ class BackendConnection(asyncio.Protocol):
     # -- ending ------------------------------------------------------------------------
 
     def abort(self) -> None:
-        """Drop the connection at once (the backend sees the request abandoned)."""
+        """Drop the connection at once (the backend sees the request abandoned).
+
+        An exchange still under way ends here: its waiters are cancelled (nobody
+        awaits them any more), and the close that follows reports nothing.
+        """
         self.closed = True
+        self._active = False
         self._stop_timer()
         self._pool.forget(self)
         if self.transport is not None:
             self.transport.abort()
         for waiter in (self._head, self._done):
-            if waiter is not None and waiter.done() and not waiter.cancelled():
-                waiter.exception()  # retrieved: nobody else will look at it now
+            if waiter is None:
+                continue
+            if not waiter.done():
+                waiter.cancel()
+            elif not waiter.cancelled():
+                waiter.exception()  # retrieved: whoever awaits it still gets it
 
 
 class ConnectionPool:
