@@ -131,7 +131,10 @@ def _worker_layer_table(profiles: dict[str, Any], res: dict[str, Any]) -> list[s
         "**worker.py: where the time goes**, by layer: % of samples (each counts for the "
         "innermost frame outside the standard library), and that share of the worker's "
         "CPU per request or chunk measured in the same run (samples hold the GIL; the "
-        "system time of socket calls, made without it, is spread over the layers):",
+        "system time of socket calls, made without it, is spread over the layers). worker.py "
+        "runs on uvloop, whose loop is C: its socket writes count for the Python code that "
+        "makes them (mostly the worker's own), its polling and reads for the stdlib's "
+        "`Runner.run`:",
         "",
         *table(["server", "load", "samples", "worker CPU measured", *names], rows),
         "",
