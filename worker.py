@@ -306,8 +306,10 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
     Relaying is mostly event-loop work (a socket read, a frame, a socket write per
     chunk); uvloop does it for about half the CPU of asyncio's loop at a few thousand
-    chunks a second (docs/BENCHMARKS.md). It is optional, not a requirement: it has no
-    Windows build. requirements-worker.txt installs it everywhere else.
+    chunks a second (bench/worker_path.py). It is optional, not a requirement: it has
+    no Windows build. requirements-worker.txt installs it everywhere else; it is
+    imported by name rather than with an import statement because the setup wizard
+    pins every package the worker's files import, and must not pin this one.
     """
     try:
         uvloop = importlib.import_module("uvloop")
