@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import peers, scenarios, targets
+from bench import big_box, peers, scenarios, targets
 from bench.procs import Processes
 from bench.profiler import Profiler, find_py_spy
 from bench.targets import RELAYS, ROOT
@@ -40,6 +40,10 @@ def settings(quick: bool) -> dict[str, Any]:
             "idle_workers": 1000,
             "idle_default_window": 15,
             "idle_short_window": 0,
+            "f_streams": 200,
+            "f_rate": 50.0,
+            "f_tokens": 300,
+            "f_ramp": 1.0,
         }
     return {
         "a_seconds": 10,
@@ -54,6 +58,10 @@ def settings(quick: bool) -> dict[str, Any]:
         "idle_workers": 1000,
         "idle_default_window": 30,
         "idle_short_window": 10,
+        "f_streams": 200,
+        "f_rate": 50.0,
+        "f_tokens": 600,
+        "f_ramp": 1.0,
     }
 
 
@@ -75,7 +83,7 @@ class Campaign:
         self.pin = args.pin and cores >= 2
         self.sut_cpus = "0" if self.pin else None
         self.rig_cpus = f"1-{cores - 1}" if cores > 2 else "1"
-        self.res: dict[str, Any] = {"a": {}, "b": {}, "c": {}, "e": {}}
+        self.res: dict[str, Any] = {"a": {}, "b": {}, "c": {}, "e": {}, "f": {}}
         self.bench_python: Path | None = None
         self.upstream_port = 0
         self.upstream_url = ""
@@ -173,6 +181,40 @@ class Campaign:
         self.res.setdefault("profiles", {})[target.name] = found
         self.log(f"  (profile) {target.name} server{' and worker' if worker else ''} sampled")
 
+    def big_box(self, name: str, upstream: tuple[str, int]) -> None:
+        """(f): one worker.py in front of a fast upstream, many streams, through ``name``."""
+        s = self.s
+        t0 = time.monotonic()
+        url, pid = upstream
+        target = targets.start_modelrelay(
+            self.procs, self.workdir, url, 1, self.sut_cpus, name, label=f"big-{name}"
+        )
+        label = target.name
+        shape = (s["f_streams"], s["f_tokens"], s["f_rate"], s["f_ramp"])
+        try:
+            r = big_box.measure(target, pid, *shape)
+            self.res["f"][label] = r
+            w = r["window"]
+            self.log(
+                f"  (f) {label:<20} {r['streams']} x {r['rate']:g} tok/s: intact "
+                f"{r['intact']}/{r['streams']}  delay p99 {r['delay_p99_ms']:.2f} ms  "
+                f"worker {w['cpu']['workers'] / w['wall']:.2f} core  "
+                f"server {w['cpu']['server'] / w['wall']:.2f} core"
+            )
+            if self.args.profile:
+                py_spy = find_py_spy(self.bench_python)
+                if py_spy is None:
+                    self.log("  (profile) py-spy not found; skipped")
+                else:
+                    profiler = Profiler(self.procs, self.workdir, py_spy)
+                    tag = f"big-{name}"
+                    found = big_box.profile(profiler, tag, target, pid, *shape)
+                    self.res.setdefault("profiles", {}).setdefault(label, {})["f"] = found
+                    self.log(f"  (profile) {label} server and worker sampled under (f)")
+        finally:
+            targets.stop(self.procs, target)
+        self.log(f"  {label} one big box done in {time.monotonic() - t0:.0f} s")
+
     def memory(self, name: str) -> None:
         s = self.s
         t0 = time.monotonic()
@@ -232,6 +274,12 @@ class Campaign:
             for name in names:
                 self.log(f"{name}:")
                 self.measure_target(name, only)
+        relays = [name for name in names if name in RELAYS]
+        if "f" in only and relays:
+            upstream = big_box.start_upstream(self.procs, self.s["f_rate"])
+            for name in relays:
+                self.log(f"{RELAYS[name][0]} one big box:")
+                self.big_box(name, upstream)
         if "e" in only:
             for name in names:
                 if name in RELAYS:

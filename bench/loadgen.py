@@ -89,14 +89,27 @@ class StreamResult:
     chunks: int  # SSE events received, all streams
     problems: dict[str, int]
     elapsed: float
+    #: When each token chunk arrived (``CLOCK_MONOTONIC`` µs), all streams.
+    arrivals_us: list[int] = field(default_factory=list)
 
 
 class _StreamCheck:
     """Splits one stream's body into SSE events and checks and times its tokens."""
 
-    __slots__ = ("buf", "delays", "done", "events", "expected", "gaps", "last", "ok", "problem")
+    __slots__ = (
+        "arrivals",
+        "buf",
+        "delays",
+        "done",
+        "events",
+        "expected",
+        "gaps",
+        "last",
+        "ok",
+        "problem",
+    )
 
-    def __init__(self, delays: list[float], gaps: list[float]) -> None:
+    def __init__(self, delays: list[float], gaps: list[float], arrivals: list[int]) -> None:
         self.buf = b""
         self.expected = 0
         self.last = 0
@@ -106,6 +119,7 @@ class _StreamCheck:
         self.problem = ""
         self.delays = delays
         self.gaps = gaps
+        self.arrivals = arrivals
 
     def feed(self, data: bytes, now_ns: int) -> None:
         buf = self.buf + data if self.buf else data
@@ -129,6 +143,7 @@ class _StreamCheck:
                 self._fail("token out of order or missing")
             self.expected = index + 1
             self.delays.append(now_us - stamp)
+            self.arrivals.append(now_us)
             if self.last:
                 self.gaps.append(now_us - self.last)
             self.last = now_us
@@ -149,6 +164,7 @@ async def streams(
     raw = chat_request(host, port, stream=True, max_tokens=tokens)
     delays: list[float] = []
     gaps: list[float] = []
+    arrivals: list[int] = []
     problems: dict[str, int] = {}
     intact = 0
     chunks = 0
@@ -156,7 +172,7 @@ async def streams(
     async def one(i: int) -> None:
         nonlocal intact, chunks
         await asyncio.sleep(ramp * i / count)
-        check = _StreamCheck(delays, gaps)
+        check = _StreamCheck(delays, gaps, arrivals)
         try:
             conn = await Connection.open(host, port)
         except OSError as exc:
@@ -193,7 +209,8 @@ async def streams(
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
-    return StreamResult(count, intact, delays, gaps, chunks, problems, time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    return StreamResult(count, intact, delays, gaps, chunks, problems, elapsed, arrivals)
 
 
 class Holder:
@@ -225,6 +242,11 @@ class Holder:
             await asyncio.wait(self.waits)
         self.conns.clear()
         self.waits.clear()
+
+
+def now_us() -> int:
+    """``CLOCK_MONOTONIC`` in µs, the clock of the stream checks' arrival times."""
+    return time.monotonic_ns() // 1000
 
 
 def percentile(values: list[float], pct: float) -> float:

@@ -56,9 +56,10 @@ class Profiler:
         self.workdir = workdir
         self.py_spy = py_spy
 
-    def _spy(
+    def spy(
         self, key: str, pids: dict[str, int], duration: float
     ) -> tuple[list[Proc], dict[str, Path]]:
+        """Start py-spy on each of ``pids`` (name -> pid) for ``duration`` seconds."""
         outs = {n: self.workdir / f"prof-{key}-{n}.txt" for n in pids}
         spies = [
             self.procs.start(f"py-spy-{key}-{n}", command(self.py_spy, pids[n], outs[n], duration))
@@ -66,7 +67,8 @@ class Profiler:
         ]
         return spies, outs
 
-    def _collect(self, spies: list[Proc], outs: dict[str, Path]) -> dict[str, Any]:
+    def collect(self, spies: list[Proc], outs: dict[str, Path]) -> dict[str, Any]:
+        """Wait for the py-spy processes of :meth:`spy`; each profile's summary by name."""
         for proc in spies:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.popen.wait(30)
@@ -89,12 +91,12 @@ class Profiler:
         tag = re.sub(r"[^a-z0-9]+", "-", target.name.lower()).strip("-")
         out: dict[str, Any] = {}
         if "a" in only:
-            spies, outs = self._spy(f"{tag}-a", pids, SECONDS)
+            spies, outs = self.spy(f"{tag}-a", pids, SECONDS)
             scenarios.run_wrk(target.url, 32, SECONDS + 2, self.workdir / "post.lua")
-            out["a"] = self._collect(spies, outs)
+            out["a"] = self.collect(spies, outs)
         if "c" in only:
             k = 250 if 250 in s["c_ks"] else s["c_ks"][-1]
-            spies, outs = self._spy(f"{tag}-c{k}", pids, s["c_tokens"] / s["token_rate"])
+            spies, outs = self.spy(f"{tag}-c{k}", pids, s["c_tokens"] / s["token_rate"])
             scenarios.streaming(target, upstream_pid, k, s["c_tokens"], s["c_ramp"])
-            out[f"c{k}"] = self._collect(spies, outs)
+            out[f"c{k}"] = self.collect(spies, outs)
         return out

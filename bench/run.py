@@ -51,7 +51,9 @@ RUN_LIMIT_SECS = 20 * 60
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="ModelRelay benchmarks against its peers.")
     p.add_argument("--quick", action="store_true", help="reduced pass (~2.5 min)")
-    p.add_argument("--only", default="", help="scenarios to run: a,b,c,d,e (d = a + c)")
+    p.add_argument(
+        "--only", default="", help="scenarios to run: a,b,c,d,e,f (d = a + c; f = one big box)"
+    )
     p.add_argument(
         "--targets", default=",".join(ALL_TARGETS), help="comma list of " + ",".join(ALL_TARGETS)
     )
@@ -80,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args(argv)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcde")
-    if not only <= set("abcde"):
-        p.error("--only takes a, b, c, d, e")
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdef")
+    if not only <= set("abcdef"):
+        p.error("--only takes a, b, c, d, e, f")
     if "d" in only:
         only |= {"a", "c"}
     names = [n.strip().lower() for n in args.targets.split(",") if n.strip()]
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in res["notes"]:
             print("note:", note)
         if res.get("profiles"):
-            print("\n".join(profile_lines(res["profiles"], rows=8)))
+            print("\n".join(profile_lines(res["profiles"], rows=8, res=res)))
         if write_docs:
             DOCS.parent.mkdir(exist_ok=True)
             DOCS.write_text(markdown(res, command))

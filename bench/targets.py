@@ -145,11 +145,17 @@ def start_modelrelay(
     workers: int,
     cpus: str | None,
     name: str = "modelrelay",
+    label: str | None = None,
 ) -> Target:
-    """One ModelRelay deployment of :data:`RELAYS`: the server and ``workers`` worker.py."""
+    """One ModelRelay deployment of :data:`RELAYS`: the server and ``workers`` worker.py.
+
+    ``label`` names its data directory and logs (default: ``name``) when one run
+    starts the same deployment more than once.
+    """
+    tag = label or name
     label, server_name = RELAYS[name]
-    server, url = start_server(procs, workdir, name, cpus, server_name)
-    worker_procs = start_workers(procs, url, upstream_url, workers, name)
+    server, url = start_server(procs, workdir, tag, cpus, server_name)
+    worker_procs = start_workers(procs, url, upstream_url, workers, tag)
     wait_workers(url, workers, server, timeout=60)
     target = Target(label, int(url.rsplit(":", 1)[1]), [server, *worker_procs])
     target.cpu_pids = {"server": [server.pid], "workers": [w.pid for w in worker_procs]}

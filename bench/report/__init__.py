@@ -3,7 +3,7 @@
 - :mod:`bench.report.table`: labels, cells, Markdown tables, CPU share and per-unit cost;
 - :mod:`bench.report.goals`: the performance targets, met or not;
 - :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
-- :mod:`bench.report.sections`: (a) to (e);
+- :mod:`bench.report.sections`: (a) to (f);
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
 - :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.
@@ -34,5 +34,6 @@ def tables(res: dict[str, Any]) -> str:
         sections.streaming(res),
         sections.cpu(res),
         sections.memory(res),
+        sections.big_box(res),
     ]
     return "\n".join(line for part in parts for line in part)

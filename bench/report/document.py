@@ -19,7 +19,8 @@ def _layout(s: dict[str, Any]) -> str:
     return (
         f"{pinning}. ModelRelay: one `manage.py serve` process (daphne, the default; SQLite, "
         f"LOG_LEVEL=warning) and {s['workers']} `worker.py` process(es) with `--max-concurrent "
-        "512`. ModelRelay (uvicorn): the same with `manage.py serve --server uvicorn`. "
+        "512` (one for (f)), on uvloop's event loop (installed with requirements-worker.txt). "
+        "ModelRelay (uvicorn): the same with `manage.py serve --server uvicorn`. "
         "LiteLLM: one uvicorn worker, no database, access log off. nginx: one worker "
         "process, `proxy_buffering off`, upstream keep-alive."
     )
@@ -51,5 +52,5 @@ def markdown(res: dict[str, Any], command: str) -> str:
         lines += ["### Notes", "", *[f"- {n}" for n in notes], ""]
     profiles = res.get("profiles")
     if profiles:
-        lines += profile_lines(profiles)
+        lines += profile_lines(profiles, res=res)
     return "\n".join(lines).rstrip() + "\n"

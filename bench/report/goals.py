@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report.table import DEFAULT, HEADER, RELAYS, num, per, ratio, table
+from bench.report.table import DEFAULT, HEADER, RELAYS, num, per, ratio, share, table
 
 Goal = tuple[str, str, bool | None]
 
 
 def goals(res: dict[str, Any], relay: str = DEFAULT) -> list[Goal]:
     """``(goal, measured, met)`` for each performance target; ``None`` when not measured."""
-    a, b, c, e = (res.get(k, {}) for k in "abce")
+    a, b, c, e, f = (res.get(k, {}) for k in "abcef")
     out: list[Goal] = []
 
     def add(goal: str, measured: str | None, met: bool | None) -> None:
@@ -76,6 +76,28 @@ def goals(res: dict[str, Any], relay: str = DEFAULT) -> list[Goal]:
         "≤ 50 MB RSS for 1,000 queued requests (growth over the idle server)",
         f"+{q['delta_mb']:.1f} MB (total {q['rss_mb']:.1f} MB)" if q else None,
         q["delta_mb"] <= 50 if q else None,
+    )
+    big = f.get(relay)
+    window = big["window"] if big else None
+    add(
+        "one big box, 200 streams x 50 tokens/s through one worker.py: every stream intact, "
+        "p99 chunk delay ≤ 20 ms",
+        f"p99 {big['delay_p99_ms']:.1f} ms, {big['intact']}/{big['streams']} intact"
+        if big
+        else None,
+        big["delay_p99_ms"] <= 20 and big["intact"] == big["streams"] if big else None,
+    )
+    worker_cores = share(window, ("workers",)) / 100 if window else None
+    add(
+        "… worker.py CPU ≤ 0.5 core",
+        f"{worker_cores:.2f} core" if worker_cores is not None else None,
+        worker_cores <= 0.5 if worker_cores is not None else None,
+    )
+    server_cores = share(window, ("server",)) / 100 if window else None
+    add(
+        "… server CPU ≤ 0.6 core",
+        f"{server_cores:.2f} core" if server_cores is not None else None,
+        server_cores <= 0.6 if server_cores is not None else None,
     )
     idle = mem.get("idle") or mem.get("idle_short")
     label = " (shortened heartbeat only)" if idle and not mem.get("idle") else ""

@@ -1,13 +1,13 @@
 """The report's measurement sections: (a) throughput, (b) one in flight, (c) streaming,
-(d) CPU per request and chunk, (e) memory and idle cost. Each returns Markdown lines
-(none when its scenario did not run).
+(d) CPU per request and chunk, (e) memory and idle cost, (f) one big box. Each returns
+Markdown lines (none when its scenario did not run).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.report.table import HEADER, OWN, RELAYS, RIG, num, per, present, share, table
+from bench.report.table import HEADER, OWN, RELAYS, RIG, SERVER, num, per, present, share, table
 
 
 def throughput(res: dict[str, Any]) -> list[str]:
@@ -239,3 +239,61 @@ def memory(res: dict[str, Any]) -> list[str]:
     head = ["measurement", *[HEADER[r] for r in relays]]
     rows = [[m, *[v.get(r, "-") for r in relays]] for m, v in _memory_rows(e)]
     return ["### (e) Memory and idle cost", "", *table(head, rows), ""]
+
+
+def big_box(res: dict[str, Any]) -> list[str]:
+    f = res.get("f")
+    if not f:
+        return []
+    rows = []
+    shape = next(iter(f.values()))
+    for relay in [r for r in RELAYS if r in f]:
+        r = f[relay]
+        w = r["window"]
+        problems = ", ".join(f"{v} {p}" for p, v in r["problems"].items())
+        rows.append(
+            [
+                SERVER[relay],
+                f"{r['intact']}/{r['streams']}" + (f" ({problems})" if problems else ""),
+                num(w["chunks"] / w["wall"] if w["wall"] else None, 0),
+                num(r["delay_p50_ms"], 2),
+                num(r["delay_p99_ms"], 2),
+                num(r["delay_max_ms"], 1),
+                num(r["gap_p99_ms"], 1),
+                num(share(w, ("workers",)) / 100, 2),
+                num(per(w, "workers", "chunks"), 0),
+                num(share(w, ("server",)) / 100, 2),
+                num(per(w, "server", "chunks"), 0),
+                num(share(w, ("upstream", "client")) / 100, 2),
+                num(share(w, ("other",)) / 100, 2),
+            ]
+        )
+    return [
+        f"### (f) One big box — {shape['streams']} concurrent streams at {shape['rate']:g} "
+        f"tokens/s through one worker.py ({shape['tokens']} tokens each)",
+        "",
+        "One `worker.py` (as on a big vLLM box) in front of the fake upstream, through one "
+        "ModelRelay server. Delay, gap and integrity as in (c), over the whole run. CPU (in "
+        "cores, i.e. shares of one core, and µs per chunk) over the steady state only: from "
+        "the moment every stream runs until the first one ends.",
+        "",
+        *table(
+            [
+                "server",
+                "intact",
+                "chunks/s (steady)",
+                "delay p50 ms",
+                "delay p99 ms",
+                "delay max ms",
+                "gap p99 ms",
+                "worker.py CPU (cores)",
+                "worker.py µs / chunk",
+                "server CPU (cores)",
+                "server µs / chunk",
+                "upstream + load generator (cores)",
+                "other (cores)",
+            ],
+            rows,
+        ),
+        "",
+    ]

@@ -1,9 +1,11 @@
 """The worker program's modules; ``worker.py`` at the top of the tree is its entry point.
 
 ``config`` (flags and environment), ``session`` (one WebSocket connection to the
-relay), ``backend`` (discovery and forwarding to the local inference server),
-``network`` (the backend client's sockets) and ``usage`` (token counts read from
-backend responses). Shipped to GPU boxes, bundled into ``/setup/worker.pyz``.
+relay), ``outbox`` (the frames it writes), ``backend`` (discovery and forwarding to
+the local inference server), ``connection`` (the keep-alive HTTP/1.1 connections
+requests are forwarded on) with ``http1`` (their message syntax), ``network`` (the
+discovery client's sockets) and ``usage`` (token counts read from backend
+responses). Shipped to GPU boxes, bundled into ``/setup/worker.pyz``.
 
 May import: :mod:`relay.wire`, ``websockets``, ``httpx`` and ``msgspec``; never
 :mod:`relay.core`, :mod:`relay.server`, :mod:`relay.pages` or Django.

@@ -1,29 +1,35 @@
 """The local inference server as the worker sees it: discovery and forwarding.
 
-``worker.Worker`` opens one :class:`Backend` (one long-lived ``httpx.AsyncClient``
-with explicit connect/read/write/pool timeouts) for the life of the process, asks it
-for models and slots, and every :class:`relay.worker.session.Session` forwards its requests
-through it. Imports nothing from Django.
+``worker.Worker`` opens one :class:`Backend` for the life of the process, asks it for
+models and slots, and every :class:`relay.worker.session.Session` forwards its requests
+through it. Discovery uses one long-lived ``httpx.AsyncClient`` with explicit
+connect/read/write/pool timeouts; forwarding, the hot path, uses the lean keep-alive
+connections of :mod:`relay.worker.connection`, which hand streamed body bytes
+straight to the relay connection's :class:`relay.worker.outbox.Outbox`. Imports
+nothing from Django.
 """
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from types import TracebackType
 
 import httpx
 import msgspec
 from websockets.exceptions import ConnectionClosed
 
+from relay import __version__
 from relay.wire.errors import Flavor, WorkerFailed, describe, error_body
 from relay.wire.headers import DROPPED_RESPONSE_HEADERS
-from relay.wire.protocol import Request, ResponseChunk, ResponseComplete, WorkerMessage
+from relay.wire.protocol import Request, ResponseComplete
 from relay.wire.sse import error_event
 from relay.worker import network
 from relay.worker.config import Config
+from relay.worker.connection import BackendConnection, BodyTooLarge, ConnectionPool
+from relay.worker.http1 import Origin, request_head
+from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
 from relay.worker.usage import UsageScanner
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
@@ -39,37 +45,83 @@ class BackendNotReady(Exception):
     """The backend did not answer a discovery request usefully (yet)."""
 
 
-class _BodyTooLarge(Exception):
-    pass
+#: Seconds a request body may take to reach the backend's socket buffers.
+WRITE_TIMEOUT_SECS = 60.0
+#: Idle keep-alive connections kept to the backend.
+MAX_IDLE_CONNECTIONS = 64
 
 
 class Valve:
     """Whether one request's streamed backend response may be read now (``flow_control``).
 
     Open when created. The session closes it on the relay's ``pause`` and opens it on
-    ``resume``; :meth:`Backend.exchange` waits for it before each read of a streamed
-    body, so while it is closed nothing more is read and the backend's writes back up
-    over TCP. Waiting on a closed valve is cancellable: ``cancel`` still aborts at once.
+    ``resume``; while :meth:`Backend.exchange` streams a body it has the valve hold
+    that backend connection, so nothing more is read and the backend's writes back up
+    over TCP. A closed valve never delays ``cancel``: that aborts the connection.
     """
 
-    __slots__ = ("_open",)
+    __slots__ = ("_conn", "_open")
 
     def __init__(self) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
+        self._open = True
+        self._conn: BackendConnection | None = None
 
     @property
     def is_open(self) -> bool:
-        return self._open.is_set()
+        return self._open
 
     def pause(self) -> None:
-        self._open.clear()
+        if self._open:
+            self._open = False
+            if self._conn is not None:
+                self._conn.hold()
 
     def resume(self) -> None:
-        self._open.set()
+        if not self._open:
+            self._open = True
+            if self._conn is not None:
+                self._conn.release()
 
-    async def wait_open(self) -> None:
-        await self._open.wait()
+    def attach(self, conn: BackendConnection) -> None:
+        """From now on, pausing holds ``conn`` (at once when already paused)."""
+        self._conn = conn
+        if not self._open:
+            conn.hold()
+
+    def detach(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and not self._open:
+            conn.release()
+
+
+class _Forwarder:
+    """Turns one streamed response's body bytes into ``response_chunk`` frames.
+
+    Called from the backend connection's read callback with everything one read
+    returned; decodes UTF-8 incrementally (a character split across reads is sent
+    whole with the next one), feeds the usage scanner and posts one frame at once.
+    """
+
+    __slots__ = ("_decode", "_post", "_prefix", "_scan", "sent")
+
+    def __init__(self, request_id: str, scanner: UsageScanner, outbox: Outbox) -> None:
+        self._prefix = chunk_prefix(request_id)
+        self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        self._scan = scanner.feed
+        self._post = outbox.post
+        self.sent = False
+
+    def feed(self, data: bytes) -> None:
+        self._scan(data)
+        text = self._decode(data)
+        if text:  # posted at once: never held back to wait for more bytes
+            self.sent = True
+            self._post(chunk_frame(self._prefix, text))
+
+    def finish(self) -> None:
+        text = self._decode(b"", True)
+        if text:
+            self._post(chunk_frame(self._prefix, text))
 
 
 def flavor_of(endpoint_path: str) -> Flavor:
@@ -80,21 +132,28 @@ def flavor_of(endpoint_path: str) -> Flavor:
     return "openai"
 
 
+_USER_AGENT = f"modelrelay-worker/{__version__}"
+
+
 def _backend_headers(forwarded: Mapping[str, str]) -> dict[str, str]:
-    headers = {k: v for k, v in forwarded.items() if k.lower() not in _HOP_BY_HOP_REQUEST}
+    headers = {k.lower(): v for k, v in forwarded.items() if k.lower() not in _HOP_BY_HOP_REQUEST}
     headers.setdefault("content-type", "application/json")
     # Compressed bodies would have to be decoded before relaying; ask for none.
     headers["accept-encoding"] = "identity"
+    headers["user-agent"] = _USER_AGENT
     return headers
 
 
-def _response_headers(headers: httpx.Headers) -> dict[str, str]:
+def _response_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
     named_by_connection = {
-        token.strip().lower() for token in headers.get("connection", "").split(",") if token
+        token.strip().lower()
+        for name, value in headers
+        if name == "connection"
+        for token in value.split(",")
+        if token.strip()
     }
     out: dict[str, str] = {}
-    for name, value in headers.multi_items():
-        name = name.lower()
+    for name, value in headers:
         if name in DROPPED_RESPONSE_HEADERS or name in named_by_connection:
             continue
         out[name] = f"{out[name]}, {value}" if name in out else value
@@ -116,9 +175,21 @@ class Backend:
         self.http = httpx.AsyncClient(
             timeout=timeout, transport=network.transport(limits), trust_env=False
         )
+        self.origin = Origin.parse(config.backend_url)
+        self._pool: ConnectionPool | None = None
+
+    @property
+    def pool(self) -> ConnectionPool:
+        assert self._pool is not None, "async with Backend(...) opens the pool"
+        return self._pool
 
     async def __aenter__(self) -> Backend:
         await self.http.__aenter__()
+        self._pool = ConnectionPool(
+            self.origin,
+            connect_timeout=self.config.backend_connect_timeout,
+            max_idle=MAX_IDLE_CONNECTIONS,
+        )
         return self
 
     async def __aexit__(
@@ -127,6 +198,8 @@ class Backend:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if self._pool is not None:
+            self._pool.close()
         await self.http.__aexit__(exc_type, exc, traceback)
 
     # -- discovery -------------------------------------------------------------------
@@ -179,92 +252,86 @@ class Backend:
     # -- one request -----------------------------------------------------------------
 
     async def exchange(
-        self,
-        request: Request,
-        send: Callable[[WorkerMessage], Awaitable[None]],
-        valve: Valve | None = None,
+        self, request: Request, outbox: Outbox, valve: Valve | None = None
     ) -> ResponseComplete:
-        """Forward ``request``; stream its chunks through ``send``; return the last frame.
+        """Forward ``request``; stream its chunks through ``outbox``; return the last frame.
 
-        A streamed body is read only while ``valve`` is open: what was read is sent, then
-        the next read waits for the valve. A failing backend ends in a 502 (after an
-        error event when part of the stream was already sent); the relay connection
-        closing (``ConnectionClosed`` from ``send``) and cancellation propagate.
+        A streamed body is read only while ``valve`` is open, and forwarded as it is
+        read: each read's bytes go out as one ``response_chunk`` from the connection's
+        read callback. A failing backend ends in a 502 (after an error event when part
+        of the stream was already sent); the relay connection closing
+        (``ConnectionClosed`` from ``outbox``) and cancellation propagate, and both
+        close the backend connection.
         """
         rid = request.request_id
         scanner = UsageScanner()
-        streamed = False
+        forwarder: _Forwarder | None = None
+        conn: BackendConnection | None = None
         try:
-            async with self.http.stream(
-                "POST",
-                self.config.backend_url + request.endpoint_path,
-                content=request.body.encode(),
-                headers=_backend_headers(request.headers),
-            ) as resp:
-                headers = _response_headers(resp.headers)
-                content_type = resp.headers.get("content-type", "")
-                is_json = "json" in content_type.lower()
-                if request.is_streaming and resp.is_success and not is_json:
-                    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-                    if valve is not None and not valve.is_open:
-                        await valve.wait_open()
-                    async for data in resp.aiter_bytes():
-                        scanner.feed(data)
-                        text = decoder.decode(data)
-                        if text:  # sent at once: never wait for more bytes to coalesce
-                            streamed = True
-                            await send(ResponseChunk(request_id=rid, chunk=text))
-                        if valve is not None and not valve.is_open:
-                            # Paused: leave the rest in the socket, so TCP slows the backend.
-                            await valve.wait_open()
-                    text = decoder.decode(b"", final=True)
-                    if text:
-                        await send(ResponseChunk(request_id=rid, chunk=text))
-                    scanner.finish()
-                    return ResponseComplete(
-                        request_id=rid,
-                        status_code=resp.status_code,
-                        headers=headers,
-                        token_counts=scanner.counts(),
-                    )
-                body = await self._read_body(resp)
-                scanner.feed_document(body, content_type)
+            body = request.body.encode()
+            head = request_head(
+                self.origin, request.endpoint_path, _backend_headers(request.headers), len(body)
+            )
+            conn = await self.pool.acquire()
+            resp = await conn.start(
+                head,
+                body,
+                write_timeout=WRITE_TIMEOUT_SECS,
+                read_timeout=self.config.backend_read_timeout,
+            )
+            headers = _response_headers(resp.headers)
+            content_type = resp.get("content-type")
+            is_json = "json" in content_type.lower()
+            if request.is_streaming and 200 <= resp.status < 300 and not is_json:
+                forwarder = _Forwarder(rid, scanner, outbox)
+                outbox.watch(conn)
+                if valve is not None:
+                    valve.attach(conn)
+                conn.stream(forwarder.feed)
+                await conn.finished()
+                forwarder.finish()
+                scanner.finish()
                 return ResponseComplete(
                     request_id=rid,
-                    status_code=resp.status_code,
+                    status_code=resp.status,
                     headers=headers,
-                    body=body.decode("utf-8", "replace"),
                     token_counts=scanner.counts(),
                 )
+            conn.collect(self.config.max_message_bytes)
+            await conn.finished()
+            data = conn.body()
+            scanner.feed_document(data, content_type)
+            return ResponseComplete(
+                request_id=rid,
+                status_code=resp.status,
+                headers=headers,
+                body=data.decode("utf-8", "replace"),
+                token_counts=scanner.counts(),
+            )
         except ConnectionClosed:
             raise
         except httpx.HTTPError as exc:
             problem = describe(exc)
             log.warning("backend error on request %s: %s", rid, problem)
-        except _BodyTooLarge:
+        except BodyTooLarge:
             problem = "the backend's response is too large to relay"
             log.warning("backend error on request %s: %s", rid, problem)
         except Exception as exc:  # a bug here must not take other requests down
             problem = describe(exc)
             log.exception("backend error on request %s (unexpected)", rid)
-        if streamed:
+        finally:
+            if conn is not None:
+                if valve is not None:
+                    valve.detach()
+                outbox.unwatch(conn)
+                self.pool.release(conn)  # kept only when the exchange ended cleanly
+        if forwarder is not None and forwarder.sent:
             # The client already has part of the stream: end it with an error event.
             err = WorkerFailed(f"The backend failed mid-stream: {problem}")
             chunk = error_event(err, flavor_of(request.endpoint_path)).decode()
-            await send(ResponseChunk(request_id=rid, chunk=chunk))
+            outbox.post(chunk_frame(chunk_prefix(rid), chunk))
             return ResponseComplete(request_id=rid, status_code=502, token_counts=scanner.counts())
         return self.failure(request, problem)
-
-    async def _read_body(self, resp: httpx.Response) -> bytes:
-        limit = self.config.max_message_bytes
-        parts: list[bytes] = []
-        size = 0
-        async for data in resp.aiter_bytes():
-            size += len(data)
-            if size > limit:
-                raise _BodyTooLarge()
-            parts.append(data)
-        return b"".join(parts)
 
     def failure(self, request: Request, problem: str) -> ResponseComplete:
         """The 502 reported for ``request`` when the backend could not answer it."""

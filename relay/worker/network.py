@@ -6,8 +6,9 @@ of those questions builds a dict of socket attributes. At hundreds of requests a
 second that was most of the worker's CPU. This backend answers the same questions
 from asyncio's own stream objects.
 
-Only used by the worker's backend client: plain TCP (and TLS when the backend URL is
-``https``) to the local model server.
+Only used by the worker's discovery client (``GET /v1/models``, ``/props``): plain
+TCP (and TLS when the backend URL is ``https``) to the local model server. Requests
+are forwarded on :mod:`relay.worker.connection`.
 """
 
 # ruff: noqa: ASYNC109  (the timeout parameters are httpcore's interface)

@@ -38,10 +38,10 @@ from relay.wire.protocol import (
     Resume,
     WorkerMessage,
     decode_server_message,
-    encode,
 )
 from relay.worker.backend import Backend, Valve
 from relay.worker.config import Config
+from relay.worker.outbox import Outbox, encode
 from relay.worker.usage import format_counts
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
@@ -118,13 +118,15 @@ class Session:
         #: Event-loop time of the last frame received from the server.
         self.last_heard = asyncio.get_running_loop().time()
         self._watchdog: asyncio.Task[None] | None = None
+        #: Every frame to the relay goes through it, in order.
+        self.outbox = Outbox(ws, self.spawn)
 
     @property
     def load(self) -> int:
         return len(self.requests)
 
     async def send(self, message: WorkerMessage) -> None:
-        await self.ws.send(encode(message))
+        await self.outbox.send(encode(message))
 
     def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -348,12 +350,12 @@ class Session:
         )
         backend = self.worker.backend
         try:
-            complete = await backend.exchange(request, self.send, valve)
-            frame = encode(complete).encode()
+            complete = await backend.exchange(request, self.outbox, valve)
+            frame = encode(complete)
             if len(frame) > self.worker.config.max_message_bytes:
                 complete = backend.failure(request, "the backend's response is too large to relay")
-                frame = encode(complete).encode()
-            await self.ws.send(frame, text=True)
+                frame = encode(complete)
+            await self.outbox.send(frame)
             log.debug(
                 "completed request %s: status %d in %.3fs, tokens %s",
                 request.request_id,
