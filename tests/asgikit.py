@@ -238,6 +238,9 @@ class HttpCall:
             data, more = await self.chunk(timeout)
             parts.append(data)
             if not more:
+                # Let the app finish as a server would (Django closes its database
+                # connection only after the last body message was sent).
+                await self.comm.wait(timeout)
                 return b"".join(parts)
 
     async def response(self, timeout: float = 3.0) -> tuple[int, dict[str, str], bytes]:
