@@ -1,4 +1,5 @@
-"""Django admin for client API keys: the secret is shown once, at creation."""
+"""Django admin for client API keys: the secret is shown once, at creation; limits and
+the fair-share weight are edited here too (SPEC §13)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "name",
         "prefix",
         "active",
+        "weight",
+        "limits",
+        "expires_at",
         "created_at",
         "last_used_at",
         "revoked_at",
@@ -27,6 +31,28 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "completion_tokens",
     )
     list_filter = ("revoked_at",)
+    fieldsets = (
+        (None, {"fields": ("name", "prefix", "created_at", "revoked_at")}),
+        (
+            "Limits (empty: no limit)",
+            {
+                "fields": (
+                    "max_concurrent",
+                    "requests_per_minute",
+                    ("tokens_per_day", "tokens_per_month"),
+                    "allowed_models",
+                    "expires_at",
+                    "weight",
+                ),
+                "description": "Over a limit a client gets 429 with Retry-After (403 for a "
+                "model not allowed, 401 once expired). See docs/OPERATIONS.md.",
+            },
+        ),
+        (
+            "Usage",
+            {"fields": ("last_used_at", "requests", "prompt_tokens", "completion_tokens")},
+        ),
+    )
     search_fields = ("name", "prefix")
     actions = ("revoke",)
     readonly_fields = (
@@ -42,6 +68,22 @@ class ApiKeyAdmin(admin.ModelAdmin):
     @admin.display(boolean=True)
     def active(self, obj: ApiKey) -> bool:
         return obj.active
+
+    @admin.display(description="limits")
+    def limits(self, obj: ApiKey) -> str:
+        parts = []
+        if obj.max_concurrent is not None:
+            parts.append(f"{obj.max_concurrent} at once")
+        if obj.requests_per_minute is not None:
+            parts.append(f"{obj.requests_per_minute}/min")
+        if obj.tokens_per_day is not None:
+            parts.append(f"{obj.tokens_per_day:,} tokens/day")
+        if obj.tokens_per_month is not None:
+            parts.append(f"{obj.tokens_per_month:,} tokens/month")
+        models = obj.allowed_model_list
+        if models is not None:
+            parts.append(f"{len(models)} model(s)")
+        return ", ".join(parts) or "none"
 
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         secret = None if change else obj.assign_new_secret()

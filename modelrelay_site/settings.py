@@ -149,6 +149,9 @@ REDIS_PREFIX = env_str("REDIS_PREFIX", "modelrelay")
 # Cluster mode: the URL at which the other server processes reach this one (default:
 # http://<listen host>:<port>, the host name when listening on all interfaces).
 CLUSTER_ADVERTISE_URL = env_str("CLUSTER_ADVERTISE_URL", "")
+#: With Redis: a server process's per-key concurrency slots stop counting this long
+#: after it stopped renewing them (it died), so they never leak (docs/OPERATIONS.md).
+LIMITS_LEASE_SECS = env_float("LIMITS_LEASE_SECS", 15.0)
 if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {

@@ -141,3 +141,42 @@ async def test_live_commands_fail_with_one_clear_line(relay_server_factory):
     assert process.returncode != 0
     assert f"cannot reach the ModelRelay server at {url}" in out_b.decode()
     assert "Traceback" not in out_b.decode()
+
+
+@pytest.mark.django_db
+def test_create_api_key_takes_its_limits_as_flags():
+    import datetime as dt
+
+    output = run(
+        "create_api_key",
+        "lab",
+        "--max-concurrent",
+        "2",
+        "--rpm",
+        "30",
+        "--tokens-per-day",
+        "50000",
+        "--tokens-per-month",
+        "1000000",
+        "--models",
+        "llama3-8b, qwen",
+        "--expires",
+        "30d",
+        "--weight",
+        "2",
+    )
+    assert "key (shown once): mrk_" in output
+    key = ApiKey.objects.get(name="lab")
+    limits = key.limits()
+    assert (limits.max_concurrent, limits.requests_per_minute, limits.weight) == (2, 30, 2)
+    assert (limits.tokens_per_day, limits.tokens_per_month) == (50_000, 1_000_000)
+    assert limits.allowed_models == {"llama3-8b", "qwen"}
+    assert key.expires_at is not None
+    left = key.expires_at - dt.datetime.now(tz=dt.UTC)
+    assert dt.timedelta(days=29) < left <= dt.timedelta(days=30)
+    run("create_api_key", "dated", "--expires", "2031-02-03")
+    assert ApiKey.objects.get(name="dated").expires_at == dt.datetime(2031, 2, 3, tzinfo=dt.UTC)
+    with pytest.raises(CommandError, match="weight"):
+        run("create_api_key", "heavy", "--weight", "0")
+    with pytest.raises(CommandError, match="--expires"):
+        run("create_api_key", "when", "--expires", "someday")

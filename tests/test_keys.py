@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -147,3 +148,84 @@ async def test_keys_are_stored_as_prefix_and_hmac_only(keyed):
     assert keyed.secret not in json.dumps(
         {f.name: str(getattr(key, f.name)) for f in ApiKey._meta.fields}
     )
+
+
+# -- limits (SPEC §13) ----------------------------------------------------------------
+
+ADMIN = [(b"authorization", b"Bearer keys-admin")]
+
+
+async def admin_call(method: str, path: str, body: Any = b"") -> tuple[int, Any]:
+    call = await HttpCall(method, path, body, headers=ADMIN).send()
+    status, _, raw = await call.response()
+    return status, json.loads(raw) if raw else None
+
+
+async def test_keys_are_created_with_limits_and_changed_through_the_admin_api(keyed, settings):
+    settings.MODELRELAY_ADMIN_TOKEN = "keys-admin"
+    status, made = await admin_call(
+        "POST",
+        "/admin/keys",
+        {
+            "name": "team",
+            "max_concurrent": 4,
+            "requests_per_minute": 60,
+            "tokens_per_day": 100_000,
+            "allowed_models": ["llama3-8b", "qwen"],
+            "expires_at": "2030-01-01T00:00:00Z",
+            "weight": 3,
+        },
+    )
+    assert status == 201, made
+    assert made["allowed_models"] == ["llama3-8b", "qwen"] and made["weight"] == 3
+    assert made["tokens_per_month"] is None
+    key_id = made["id"]
+    status, changed = await admin_call(
+        "PATCH", f"/admin/keys/{key_id}", {"max_concurrent": None, "tokens_per_month": 5_000_000}
+    )
+    assert status == 200
+    assert changed["max_concurrent"] is None and changed["tokens_per_month"] == 5_000_000
+    assert changed["requests_per_minute"] == 60  # untouched
+    await runtime.current().sync()
+    limits = runtime.current().key_limits(key_id)
+    assert limits.max_concurrent is None and limits.tokens_per_month == 5_000_000
+    assert limits.allowed_models == {"llama3-8b", "qwen"} and limits.weight == 3
+    status, listed = await admin_call("GET", "/admin/keys")
+    assert [k["weight"] for k in listed if k["id"] == key_id] == [3]
+    bad: dict[str, Any]
+    for bad in ({"weight": 0}, {"max_concurrent": -1}, {"allowed_models": []}, {"name": None}):
+        status, problem = await admin_call("PATCH", f"/admin/keys/{key_id}", bad)
+        assert status == 400, (bad, problem)
+    assert (await admin_call("PATCH", "/admin/keys/999999", {"weight": 2}))[0] == 404
+
+
+async def test_limits_are_edited_in_the_django_admin(keyed):
+    from django.contrib.auth.models import User
+    from django.test import AsyncClient
+
+    user = await sync_to_async(User.objects.create_superuser)("root", "root@example.com", "pw")
+    client = AsyncClient()
+    await client.aforce_login(user)
+    url = f"/django-admin/keys/apikey/{keyed.key.id}/change/"
+    page = (await client.get(url)).content.decode()
+    assert "Limits (empty: no limit)" in page and 'name="tokens_per_day"' in page
+    form = {
+        "name": "ci",
+        "max_concurrent": "2",
+        "requests_per_minute": "",
+        "tokens_per_day": "1000",
+        "tokens_per_month": "",
+        "allowed_models": "a, b\nc",
+        "expires_at_0": "",
+        "expires_at_1": "",
+        "weight": "5",
+    }
+    response = await client.post(url, form)
+    assert response.status_code == 302, response.content.decode()[:2000]
+    key = await ApiKey.objects.aget(id=keyed.key.id)
+    assert (key.max_concurrent, key.tokens_per_day, key.weight) == (2, 1000, 5)
+    assert key.allowed_model_list == ["a", "b", "c"]
+    form["weight"] = "0"
+    assert (await client.post(url, form)).status_code == 200  # the form, with the error
+    listing = (await client.get("/django-admin/keys/apikey/")).content.decode()
+    assert "2 at once, 1,000 tokens/day, 3 model(s)" in listing

@@ -156,7 +156,16 @@ class RequestLogAdmin(ReadOnlyAdmin):
         "requeues",
     )
     list_filter = ("outcome", "streamed", "endpoint", "provider", "status")
-    search_fields = ("request_id", "model", "worker_name", "worker_id")
+    # Searching by key name or prefix shows one key's requests and its refusals
+    # (outcomes such as over_daily_budget or over_concurrency, SPEC §13).
+    search_fields = (
+        "request_id",
+        "model",
+        "worker_name",
+        "worker_id",
+        "api_key__name",
+        "api_key__prefix",
+    )
     date_hierarchy = "created_at"
     list_select_related = ("api_key",)
 

@@ -1,11 +1,14 @@
 """The server's relay logic: plain asyncio, no Django, configured by a frozen config.
 
 ``state`` (the two live records: a connected worker and a relayed request),
-``registry`` (workers indexed by model), ``queue`` (the bounded per-provider wait
-queue), ``dispatch`` (admission, routing, deadlines, cancellation, requeue),
+``registry`` (workers indexed by model), ``queue`` (the per-provider wait queue's
+interface) and ``fairqueue`` (its order: API keys in weighted round-robin),
+``dispatch`` (admission, routing, deadlines, cancellation, requeue),
 ``relay`` (the :class:`~relay.core.relay.Relay` the edges hold: the dispatcher plus
 the frames that come from workers), ``config``, ``stats``, ``timeline`` and
-``snapshot`` (read-only views), ``keycache``, ``credentials`` and ``ratelimit``.
+``snapshot`` (read-only views), ``keycache``, ``credentials`` and ``ratelimit``;
+``limits`` (per-key limits and admission), ``limitstore`` (their counters in memory)
+and ``keystats`` (who is using the pool).
 
 May import: :mod:`relay.wire` and the standard library; never Django, Channels or
 asgiref, nor :mod:`relay.server`, :mod:`relay.pages` or :mod:`relay.worker`.

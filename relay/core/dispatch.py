@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from relay.core.config import ProviderPolicy, RelayConfig
+from relay.core.limits import Ticket
 from relay.core.placement import Placement
 from relay.core.queue import ProviderQueue
 from relay.core.registry import Registry
@@ -272,8 +273,14 @@ class Dispatcher:
         body: str,
         headers: dict[str, str],
         key_id: int | None = None,
+        ticket: Ticket | None = None,
     ) -> RelayRequest:
-        """Admit a client request: assign it now, queue it, or raise a RelayError."""
+        """Admit a client request: assign it now, queue it, or raise a RelayError.
+
+        ``ticket`` is the API key's admission (:meth:`relay.core.limits.Limiter.admit`):
+        the request owns it once this returns and closes it when it ends; when this
+        raises, the caller still owns it.
+        """
         request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:
             if self.shutting_down:
@@ -301,6 +308,7 @@ class Dispatcher:
             now=now,
             deadline=now + primary.policy.request_timeout,
         )
+        request.ticket = ticket
         if self.clustered:
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.
@@ -628,6 +636,8 @@ class Dispatcher:
         request.body = ""
         request.buffer = []
         request.push(result)  # type: ignore[arg-type]
+        if request.ticket is not None:
+            request.ticket.close(request.token_counts)  # the key's slot, its tokens
         self.active -= 1
         if self.shutting_down and self.active <= 0:
             self._idle.set()
@@ -749,16 +759,16 @@ class Dispatcher:
             self._feed(worker)
 
     def _feed(self, worker: Worker) -> None:
-        """Hand the oldest compatible queued requests to ``worker`` while it has room."""
+        """Hand queued requests to ``worker`` while it has room, in the queue's order
+        (requeued first, then keys by turn, the oldest compatible within a key)."""
         state = self.providers.get(worker.provider)
         if state is None or not state.queue:
             return
         now = self.loop.time()
         while worker.has_capacity:
-            request = state.queue.next_for(worker.model_set, worker.refuses)
+            request = state.queue.pop_for(worker.model_set, worker.refuses)
             if request is None:
                 return
-            state.queue.remove(request)
             self._assign(request, worker, now)
 
     def _dispatch_provider(self, name: str) -> None:

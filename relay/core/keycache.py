@@ -1,6 +1,7 @@
 """API keys as the hot path sees them: an in-memory table checked without the ORM.
 
-The table maps a key's lookup prefix to its id and HMAC; the Django edge reloads it
+The table maps a key's lookup prefix to its id, HMAC, name and limits (SPEC §13); the
+Django edge reloads it
 whenever keys change (at once in this process, within a second elsewhere). Usage is
 counted here and flushed to the database in the background, never per request.
 """
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from relay.core.credentials import PREFIX_LEN, verify_secret
+from relay.core.limits import NO_LIMITS, KeyLimits
 from relay.core.stats import RequestRecord
 from relay.wire.errors import Flavor, Unauthorized
 
@@ -22,6 +24,8 @@ KEY_KIND = "mrk_"
 class KnownKey:
     id: int
     key_hash: str
+    name: str = ""
+    limits: KeyLimits = NO_LIMITS
 
 
 @dataclass(slots=True)
@@ -36,13 +40,22 @@ class KeyCache:
     def __init__(self, pepper: str) -> None:
         self._pepper = pepper
         self._keys: dict[str, KnownKey] = {}
+        self._by_id: dict[int, KnownKey] = {}
         self.usage: dict[int, Usage] = {}
         self.loaded = False
 
     def replace(self, keys: dict[str, KnownKey]) -> None:
         """Swap in a freshly loaded table of active keys (prefix -> key)."""
         self._keys = keys
+        self._by_id = {key.id: key for key in keys.values()}
         self.loaded = True
+
+    def get(self, key_id: int) -> KnownKey | None:
+        """The active key with id ``key_id`` (its name and limits), or None."""
+        return self._by_id.get(key_id)
+
+    def active(self) -> list[KnownKey]:
+        return list(self._by_id.values())
 
     def __len__(self) -> int:
         return len(self._keys)

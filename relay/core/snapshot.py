@@ -7,6 +7,7 @@ Called on the event loop; returns JSON-ready dicts and never mutates the relay
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from relay import __version__
@@ -79,12 +80,18 @@ def stats(relay: Relay) -> dict[str, Any]:
     }
 
 
-def recent(relay: Relay, limit: int = 50) -> list[dict[str, Any]]:
+def recent(
+    relay: Relay, limit: int = 50, key_name: Callable[[int], str] | None = None
+) -> list[dict[str, Any]]:
     out = []
     for r in list(relay.stats.recent)[-limit:][::-1]:
+        key = None
+        if r.key_id is not None:
+            key = key_name(r.key_id) if key_name is not None else f"key #{r.key_id}"
         out.append(
             {
                 "request_id": r.request_id,
+                "key": key,
                 "model": r.model,
                 "endpoint": r.endpoint,
                 "worker": r.worker_name,
@@ -100,18 +107,26 @@ def recent(relay: Relay, limit: int = 50) -> list[dict[str, Any]]:
 
 
 def dashboard(
-    relay: Relay, *, workers_list: list[dict[str, Any]] | None = None, recent_limit: int = 25
+    relay: Relay,
+    *,
+    workers_list: list[dict[str, Any]] | None = None,
+    keys_list: list[dict[str, Any]] | None = None,
+    key_name: Callable[[int], str] | None = None,
+    recent_limit: int = 25,
 ) -> dict[str, Any]:
     """Everything the live dashboard shows, as one JSON-ready snapshot.
 
-    ``workers_list`` replaces this process's workers (the cluster-wide list with Redis).
+    ``workers_list`` replaces this process's workers (the cluster-wide list with Redis);
+    ``keys_list`` is who is using the pool (:func:`relay.core.keystats.key_rows`,
+    folded), ``None`` when API keys are not required.
     """
     rates = timeline.for_relay(relay)
     return {
         "at": time.time(),
         "stats": stats(relay),
         "workers": workers(relay) if workers_list is None else workers_list,
-        "recent": recent(relay, limit=recent_limit),
+        "keys": keys_list,
+        "recent": recent(relay, limit=recent_limit, key_name=key_name),
         "rate_per_sec": round(rates.rate(), 3),
         "timeline": rates.series(),
     }

@@ -32,6 +32,7 @@ from relay.wire.errors import Flavor, RelayError
 if TYPE_CHECKING:
     from asyncio import Future, TimerHandle
 
+    from relay.core.limits import Ticket
     from relay.wire.protocol import ServerMessage, TokenCounts
 
 
@@ -93,6 +94,7 @@ class RelayRequest:
         "seq",
         "status",
         "streamed_bytes",
+        "ticket",
         "timer",
         "token_counts",
         "translation",
@@ -128,6 +130,9 @@ class RelayRequest:
         self.body = body
         self.headers = headers
         self.key_id = key_id
+        #: The API key's admission (SPEC §13): closed when the request ends; its
+        #: weight is the request's share in the fair queue. None without keys.
+        self.ticket: Ticket | None = None
         self.created_wall = created_wall
         self.created = now
         self.deadline = deadline

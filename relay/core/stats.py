@@ -72,7 +72,20 @@ class RequestRecord:
         )
 
 
-_UNROUTED = frozenset({"model_not_found", "bad_request", "unauthorized"})
+_UNROUTED = frozenset(
+    {
+        "model_not_found",
+        "bad_request",
+        "unauthorized",
+        # Refused by an API key's limits (SPEC §13), before any routing.
+        "key_expired",
+        "model_not_allowed",
+        "over_concurrency",
+        "over_request_rate",
+        "over_daily_budget",
+        "over_monthly_budget",
+    }
+)
 #: Distinct model names counted separately; later ones are counted as ``(other)``.
 #: Model names come from workers and clients, so the label set must stay bounded.
 MAX_MODEL_LABELS = 500

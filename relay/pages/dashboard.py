@@ -30,6 +30,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_POST
 
 from relay.core import snapshot
+from relay.core.keystats import fold
 from relay.server import runtime
 from relay.server.admin_api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
 
@@ -69,7 +70,11 @@ def home(request: HttpRequest) -> HttpResponse:
 
 
 async def live_snapshot(rt: runtime.Runtime) -> dict[str, Any]:
-    document = snapshot.dashboard(rt.relay, workers_list=await rt.workers())
+    # "Who is using the pool": the busiest keys by name, the rest as one (other) row.
+    keys_list = fold(await rt.key_usage()) if rt.require_keys else None
+    document = snapshot.dashboard(
+        rt.relay, workers_list=await rt.workers(), keys_list=keys_list, key_name=rt.key_name
+    )
     if rt.placement is not None:
         # Cluster mode: the queue that matters is the shared one (as of the last second).
         document["stats"]["queue_depth"] = rt.placement.queue_depth

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import math
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -21,9 +21,11 @@ from ninja.security import HttpBearer
 from pydantic import Field
 
 from keys.models import ApiKey
-from keys.services import create_key, revoke_key
+from keys.services import create_key, revoke_key, update_key
 from relay.core import snapshot
+from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
+from relay.server.redislimits import RedisLimitStore
 
 #: The longest drain deadline an operator may set: a day. A draining worker takes no new
 #: work, so an endless (or absurd) deadline would take it out of service for good.
@@ -78,8 +80,30 @@ def bad_request(request: HttpRequest, exc: ValidationError) -> HttpResponse:
     )
 
 
-class KeyIn(Schema):
+ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^,\n]+$")]
+
+
+class KeyLimitsIn(Schema):
+    """A key's limits (SPEC §13); null or absent means no limit (weight: 1)."""
+
+    max_concurrent: int | None = Field(default=None, ge=1, strict=True)
+    requests_per_minute: int | None = Field(default=None, ge=1, strict=True)
+    tokens_per_day: int | None = Field(default=None, ge=1, strict=True)
+    tokens_per_month: int | None = Field(default=None, ge=1, strict=True)
+    #: Models the key may use; null: every model.
+    allowed_models: list[ModelName] | None = Field(default=None, min_length=1, max_length=1000)
+    expires_at: datetime | None = None
+    weight: int | None = Field(default=None, ge=1, le=MAX_WEIGHT, strict=True)
+
+
+class KeyIn(KeyLimitsIn):
     name: str = Field(min_length=1, max_length=100)
+
+
+class KeyPatch(KeyLimitsIn):
+    """Only the fields sent are changed; send null to lift a limit."""
+
+    name: str | None = Field(default=None, min_length=1, max_length=100)
 
 
 class KeyOut(Schema):
@@ -93,6 +117,17 @@ class KeyOut(Schema):
     requests: int
     prompt_tokens: int
     completion_tokens: int
+    max_concurrent: int | None
+    requests_per_minute: int | None
+    tokens_per_day: int | None
+    tokens_per_month: int | None
+    allowed_models: list[str] | None = None
+    expires_at: datetime | None
+    weight: int
+
+    @staticmethod
+    def resolve_allowed_models(obj: ApiKey) -> list[str] | None:
+        return obj.allowed_model_list
 
 
 class NewKeyOut(KeyOut):
@@ -130,6 +165,13 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
     if rt.placement is not None:
         # Counters above are this process's; the cluster's shared queue is one for all.
         document["cluster"] = rt.placement.describe()
+    # Who is using the pool (SPEC §13): running and queued here, tokens from the
+    # limit store (every process's with Redis), refusals here by outcome.
+    document["keys"] = await rt.key_usage()
+    document["limits"] = {
+        "store": "redis" if isinstance(rt.limit_store, RedisLimitStore) else "memory",
+        "store_failures": rt.limiter.store_failures,
+    }
     return document
 
 
@@ -156,13 +198,27 @@ async def list_keys(request: HttpRequest) -> list[ApiKey]:
 
 @api.post("/keys", response={201: NewKeyOut})
 async def new_key(request: HttpRequest, payload: KeyIn) -> Any:
+    limits = payload.model_dump(exclude={"name"}, exclude_unset=True)
     try:
-        made = await sync_to_async(create_key)(payload.name)
+        made = await sync_to_async(create_key)(payload.name, **limits)
     except ValueError as exc:
         raise HttpError(400, str(exc)) from None
-    document = KeyOut.model_validate(made.key).model_dump()
-    document["secret"] = made.secret
-    return Status(201, document)
+    made.key.secret = made.secret  # type: ignore[attr-defined]  # shown this once
+    return Status(201, made.key)
+
+
+@api.patch("/keys/{key_id}", response=KeyOut)
+async def change_key(request: HttpRequest, key_id: int, payload: KeyPatch) -> Any:
+    key = await ApiKey.objects.filter(id=key_id).afirst()
+    if key is None:
+        raise HttpError(404, f"no API key with id {key_id}")
+    changes = payload.model_dump(exclude_unset=True)
+    if "name" in changes and changes["name"] is None:
+        raise HttpError(400, "name: a key needs a name")
+    try:
+        return await sync_to_async(update_key)(key, **changes)
+    except ValueError as exc:
+        raise HttpError(400, str(exc)) from None
 
 
 @api.delete("/keys/{key_id}", response={204: None})

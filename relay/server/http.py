@@ -331,6 +331,14 @@ class RelayHttpApp:
             relay.record_rejection(err, "", path, False, None)
             await _send_error(send, err, flavor, cors)
             return
+        ticket = None
+        if key_id is not None:
+            try:  # the key's limits (SPEC §13): one Redis round trip at most
+                ticket = await rt.admit(key_id, model)
+            except RelayError as err:
+                relay.record_rejection(err, model, path, stream, key_id)
+                await _send_error(send, err, flavor, cors)
+                return
         try:
             request = relay.submit(
                 model=model,
@@ -340,8 +348,11 @@ class RelayHttpApp:
                 body=body,
                 headers=forwarded_request_headers(scope["headers"], exclude=relay_auth_headers),
                 key_id=key_id,
+                ticket=ticket,
             )
         except RelayError as err:  # already counted by the core
+            if ticket is not None:
+                ticket.close()
             await _send_error(send, err, flavor, cors)
             return
         await respond(relay, request, receive, send, cors or [])
@@ -443,8 +454,13 @@ class RelayHttpApp:
         try:
             if scope["method"] not in ("GET", "HEAD"):
                 raise MethodNotAllowed("Use GET for /v1/models", allow="GET, HEAD")
-            rt.authenticate(scope["headers"], flavor)
+            key_id, _ = rt.authenticate(scope["headers"], flavor)
             models = rt.relay.routable_models()
+            if key_id is not None:
+                limits = rt.key_limits(key_id)
+                rt.limiter.check_expiry(key_id, limits)
+                if limits.allowed_models is not None:  # a key sees only what it may use
+                    models = {m: p for m, p in models.items() if m in limits.allowed_models}
             created = int(rt.relay.started_wall)
 
             def describe(model: str) -> dict[str, Any]:

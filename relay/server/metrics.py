@@ -3,11 +3,15 @@
 Counters and gauges are read from the relay's own state at scrape time (no double
 bookkeeping); latency histograms are fed by the request observer. Label values stay
 bounded because :class:`~relay.core.stats.RelayStats` reports unroutable models as
-``(unknown)``.
+``(unknown)``, and per-key series (SPEC §13) name at most
+:data:`~relay.core.keystats.MAX_KEY_LABELS` keys: gauges the busiest ones at scrape
+time, counters the first ones seen (a counter's label never moves), the rest
+``(other)``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,17 +19,26 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from relay.core.keystats import fold
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
+
+KeyRows = Callable[[], list[dict[str, Any]]]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class RelayCollector(Collector):
-    def __init__(self, relay: Relay, cluster: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        cluster: Callable[[], dict[str, Any]] | None = None,
+        key_rows: KeyRows | None = None,
+    ) -> None:
         self.relay = relay
         self.cluster = cluster
+        self.key_rows = key_rows
 
     def collect(self) -> Iterator[Metric]:
         relay = self.relay
@@ -107,14 +120,65 @@ class RelayCollector(Collector):
                 "1 while this process reaches the cluster's Redis, 0 while degraded.",
                 value=1 if state["state"] == "ok" else 0,
             )
+        if self.key_rows is not None:
+            yield from key_metrics(self.key_rows())
+
+
+def key_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per-key series; keys that share a name are summed under it."""
+    running: Counter[str] = Counter()
+    queued: Counter[str] = Counter()
+    tokens: Counter[tuple[str, str]] = Counter()
+    for row in fold(rows):
+        running[row["name"]] += row["in_flight"]
+        queued[row["name"]] += row["queued"]
+        tokens[(row["name"], "day")] += row["tokens_today"]
+        tokens[(row["name"], "month")] += row["tokens_month"]
+    finished: Counter[str] = Counter()
+    refused: Counter[tuple[str, str]] = Counter()
+    for row in rows:
+        finished[row["label"]] += row["requests"]
+        for outcome, count in row["rejected_by"].items():
+            refused[(row["label"], outcome)] += count
+    gauges = (
+        ("modelrelay_key_requests_in_flight", "Requests of an API key running now.", running),
+        ("modelrelay_key_requests_queued", "Requests of an API key waiting for a worker.", queued),
+    )
+    for name, documentation, values in gauges:
+        family = GaugeMetricFamily(name, documentation, labels=["key"])
+        for key, value in sorted(values.items()):
+            family.add_metric([key], value)
+        yield family
+    spent = GaugeMetricFamily(
+        "modelrelay_key_tokens",
+        "Tokens an API key spent in the current UTC day or month (what its budgets count).",
+        labels=["key", "period"],
+    )
+    for (key, period), value in sorted(tokens.items()):
+        spent.add_metric([key, period], value)
+    yield spent
+    ended = CounterMetricFamily(
+        "modelrelay_key_requests", "Requests of an API key that ended, here.", labels=["key"]
+    )
+    for key, value in sorted(finished.items()):
+        ended.add_metric([key], value)
+    yield ended
+    rejections = CounterMetricFamily(
+        "modelrelay_key_rejections",
+        "Requests of an API key refused before admission, by outcome (which limit, ...).",
+        labels=["key", "outcome"],
+    )
+    for (key, outcome), value in sorted(refused.items()):
+        rejections.add_metric([key, outcome], value)
+    yield rejections
 
 
 class RelayMetrics:
     """One registry per relay runtime; :meth:`observe` is a request observer."""
 
-    def __init__(self, relay: Relay, cluster: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, relay: Relay, *, key_rows: KeyRows | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.collector = RelayCollector(relay, cluster)
+        self.collector = RelayCollector(relay, key_rows=key_rows)
         self.registry.register(self.collector)
         self.duration = Histogram(
             "modelrelay_request_duration_seconds",

@@ -10,23 +10,30 @@ HTTP handlers and the worker consumer reach the core only through :func:`current
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
 import secrets
 import socket
+from typing import Any
 
 from django.conf import settings
 
 from relay.core import snapshot
 from relay.core.config import RelayConfig
 from relay.core.keycache import KeyCache, KnownKey
+from relay.core.keystats import KeyStats, key_name, key_rows
+from relay.core.limits import NO_LIMITS, KeyLimits, Limiter, LimitStore, Periods, Ticket
+from relay.core.limitstore import MemoryLimitStore
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
+from relay.core.stats import RequestRecord
 from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster import GROUP, Cluster, close_workers_of
 from relay.server.cors import CorsPolicy
 from relay.server.metrics import RelayMetrics
 from relay.server.placement import RedisPlacement
 from relay.server.proxy import cluster_token
+from relay.server.redislimits import RedisLimitStore
 from relay.wire.errors import Flavor
 
 logger = logging.getLogger("relay.runtime")
@@ -82,9 +89,27 @@ class Runtime:
             flush_interval=settings.REQUEST_LOG_FLUSH_SECS,
             retention_days=settings.AUDIT_RETENTION_DAYS,
         )
-        self.metrics = RelayMetrics(self.relay)
+        self.limit_store: LimitStore
+        if settings.REDIS_URL and self.require_keys:
+            self.limit_store = RedisLimitStore(
+                settings.REDIS_URL,
+                settings.REDIS_PREFIX,
+                self.relay.instance,
+                lease_secs=settings.LIMITS_LEASE_SECS,
+            )
+        else:
+            self.limit_store = MemoryLimitStore()
+        self.limiter = Limiter(self.limit_store)
+        self.key_stats = KeyStats()
+        self.metrics = RelayMetrics(self.relay, key_rows=self._key_rows_now)
         self.relay.observers.extend(
-            [self.keys.observe, self.bookkeeper.observe, self.metrics.observe]
+            [
+                self.keys.observe,
+                self.bookkeeper.observe,
+                self.metrics.observe,
+                self.key_stats.observe,
+                self._charge_placed,
+            ]
         )
         self.sockets = 0
         self._sockets_gone = asyncio.Event()
@@ -95,6 +120,9 @@ class Runtime:
             loop.create_task(self._sync_loop()),
             loop.create_task(self.bookkeeper.run()),
         ]
+        if isinstance(self.limit_store, RedisLimitStore):
+            self._tasks.append(loop.create_task(self.limit_store.run()))
+        self._spend_seeded = False
         self.cluster: Cluster | None = None
         self.placement: RedisPlacement | None = None
         self.cluster_token = cluster_token(settings.SECRET_PEPPER)
@@ -135,6 +163,41 @@ class Runtime:
         if not self.require_keys:
             return None, frozenset()
         return self.keys.authenticate(headers, flavor)
+
+    def key_limits(self, key_id: int) -> KeyLimits:
+        known = self.keys.get(key_id)
+        return NO_LIMITS if known is None else known.limits
+
+    async def admit(self, key_id: int, model: str) -> Ticket:
+        """Check the key's limits for one request (SPEC §13); raises the error to send."""
+        return await self.limiter.admit(key_id, self.key_limits(key_id), model)
+
+    def _charge_placed(self, record: RequestRecord) -> None:
+        """Request observer (cluster mode): a request another process admitted ran on
+        a worker here; its tokens count against the key's budgets from here (the other
+        process frees the key's slot but never learns the tokens)."""
+        if record.relay_role == "worker" and record.key_id is not None:
+            tokens = (record.prompt_tokens or 0) + (record.completion_tokens or 0)
+            self.limiter.charge(record.key_id, tokens)
+
+    def key_name(self, key_id: int) -> str:
+        return key_name(self.keys, key_id)
+
+    async def key_usage(self) -> list[dict[str, Any]]:
+        """Who is using the pool: one row per key, busiest first, spend refreshed."""
+        spend = await self.limiter.spend(self._spend_ids())
+        return key_rows(self.relay, self.keys, self.limiter, self.key_stats, spend)
+
+    def _key_rows_now(self) -> list[dict[str, Any]]:
+        """:meth:`key_usage` with the spend last read (for scrapes, which cannot wait)."""
+        return key_rows(
+            self.relay, self.keys, self.limiter, self.key_stats, self.limiter.last_spend
+        )
+
+    def _spend_ids(self) -> set[int]:
+        ids = {key.id for key in self.keys.active()}
+        ids.update(self.limiter.open, self.key_stats.finished, self.key_stats.refused)
+        return ids
 
     async def workers(self) -> list[dict[str, object]]:
         """Connected workers: of every server process with Redis, else of this one."""
@@ -194,6 +257,12 @@ class Runtime:
                 self.keys.replace(keys)
                 logger.debug("API keys reloaded: %d active", len(keys))
             self._keys_version = version
+            if not self._spend_seeded and isinstance(self.limit_store, MemoryLimitStore):
+                # Budgets outlive a restart: start from the request log's sums.
+                at = self.limiter.calendar.at(self.limiter.clock())
+                self.limit_store.seed(await in_thread(_load_spend, at), at)
+            self._spend_seeded = True
+            await self.limiter.spend(self._spend_ids())  # for /metrics
         self._loaded.set()
 
     async def _sync_loop(self) -> None:
@@ -257,8 +326,32 @@ def _load_keys(
     version = (summary["latest"], summary["count"])
     if version == seen:
         return version, None
-    rows = ApiKey.objects.filter(revoked_at__isnull=True).values_list("id", "prefix", "key_hash")
-    return version, {prefix: KnownKey(id=key_id, key_hash=h) for key_id, prefix, h in rows}
+    rows = ApiKey.objects.filter(revoked_at__isnull=True)
+    return version, {
+        key.prefix: KnownKey(id=key.id, key_hash=key.key_hash, name=key.name, limits=key.limits())
+        for key in rows
+    }
+
+
+def _load_spend(at: Periods) -> dict[int, tuple[int, int]]:
+    """Tokens per key in the request log (today, this month) at ``at``."""
+    from django.db.models import IntegerField, Q, Sum, Value
+    from django.db.models.functions import Coalesce
+
+    from workers_app.models import RequestLog
+
+    day_start = dt.datetime.fromtimestamp(at.day_ends - 86_400, tz=dt.UTC)
+    month_start = day_start.replace(day=1)
+    tokens = Coalesce("prompt_tokens", Value(0)) + Coalesce("completion_tokens", Value(0))
+    rows = (
+        RequestLog.objects.filter(api_key__isnull=False, created_at__gte=month_start)
+        .values("api_key")
+        .annotate(
+            month=Sum(tokens, output_field=IntegerField()),
+            day=Sum(tokens, filter=Q(created_at__gte=day_start), output_field=IntegerField()),
+        )
+    )
+    return {r["api_key"]: (r["day"] or 0, r["month"] or 0) for r in rows if r["month"]}
 
 
 _current: Runtime | None = None

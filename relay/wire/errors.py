@@ -6,6 +6,8 @@ Hierarchy::
     ├── ClientError
     │   ├── BadRequest              (400)
     │   ├── Unauthorized            (401)
+    │   │   └── KeyExpired
+    │   ├── ModelNotAllowed         (403, the API key may not use the model)
     │   ├── ModelNotFound           (404)
     │   ├── NotFound                (404, a path the relay does not serve)
     │   ├── MethodNotAllowed        (405, with Allow)
@@ -13,6 +15,12 @@ Hierarchy::
     │   ├── UpgradeRequired         (426)
     │   ├── UnsupportedMediaType    (415)
     │   ├── QueueFull               (429)
+    │   ├── RateLimited             (429, an API key's limit; with Retry-After)
+    │   │   ├── ConcurrencyLimited
+    │   │   └── RequestRateLimited
+    │   ├── QuotaExceeded           (429, an API key's token budget; with Retry-After)
+    │   │   ├── DailyQuotaExceeded
+    │   │   └── MonthlyQuotaExceeded
     │   └── HeadersTooLarge         (431)
     ├── WorkerFailed                (502)
     ├── ServiceUnavailable          (503)
@@ -47,7 +55,8 @@ class RelayError(Exception):
     anthropic_type: ClassVar[str] = "api_error"
     code: ClassVar[str] = "internal_error"
     default_message: ClassVar[str] = "Internal relay error"
-    retry_after: ClassVar[int | None] = None
+    #: Seconds for ``Retry-After``; the limit errors set it per instance.
+    retry_after: int | None = None
     #: Outcome label used by stats and the request log.
     outcome: ClassVar[str] = "error"
 
@@ -80,6 +89,23 @@ class Unauthorized(ClientError):
     outcome = "unauthorized"
 
 
+class KeyExpired(Unauthorized):
+    code = "expired_api_key"
+    default_message = "API key has expired"
+    outcome = "key_expired"
+
+
+class ModelNotAllowed(ClientError):
+    status = 403
+    openai_type = "permission_error"
+    anthropic_type = "permission_error"
+    code = "model_not_allowed"
+    outcome = "model_not_allowed"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"This API key may not use model '{_shown(model)}'")
+
+
 class ModelNotFound(ClientError):
     status = 404
     anthropic_type = "not_found_error"
@@ -87,9 +113,7 @@ class ModelNotFound(ClientError):
     outcome = "model_not_found"
 
     def __init__(self, model: str) -> None:
-        # The name comes from the client: quoted back, but never at any length.
-        shown = model if len(model) <= 256 else model[:256] + "…"
-        super().__init__(f"model '{shown}' is not served here")
+        super().__init__(f"model '{_shown(model)}' is not served here")
 
 
 class MethodNotAllowed(ClientError):
@@ -145,6 +169,47 @@ class QueueFull(ClientError):
     default_message = "Service temporarily at capacity, please retry"
     retry_after = 1
     outcome = "queue_full"
+
+
+class RateLimited(ClientError):
+    """An API key is over one of its rate limits (SPEC §13); ``retry_after`` says when
+    the next request would pass."""
+
+    status = 429
+    openai_type = "rate_limit_error"
+    anthropic_type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    default_message = "Rate limit exceeded for this API key"
+    outcome = "rate_limited"
+
+    def __init__(self, message: str | None = None, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = max(1, retry_after)
+
+
+class ConcurrencyLimited(RateLimited):
+    outcome = "over_concurrency"
+
+
+class RequestRateLimited(RateLimited):
+    outcome = "over_request_rate"
+
+
+class QuotaExceeded(RateLimited):
+    """An API key spent its token budget: no retry helps before the period ends."""
+
+    openai_type = "insufficient_quota"
+    code = "insufficient_quota"
+    default_message = "Token budget of this API key is spent"
+    outcome = "over_budget"
+
+
+class DailyQuotaExceeded(QuotaExceeded):
+    outcome = "over_daily_budget"
+
+
+class MonthlyQuotaExceeded(QuotaExceeded):
+    outcome = "over_monthly_budget"
 
 
 class HeadersTooLarge(ClientError):
@@ -263,6 +328,11 @@ class ProtocolError(RelayError):
 
 
 _JSON = msgspec.json.Encoder()
+
+
+def _shown(model: str) -> str:
+    """A model name from the client, to quote back in a message: never at any length."""
+    return model if len(model) <= 256 else model[:256] + "…"
 
 
 def error_body(err: RelayError, flavor: Flavor) -> bytes:

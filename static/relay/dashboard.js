@@ -293,6 +293,58 @@
     ])));
   }
 
+  // ---------------------------------------------------------------- who is using the pool
+
+  function budgetCell(spent, budget, extraClass) {
+    const cell = el("td", { class: "num" + (extraClass ? " " + extraClass : "") });
+    if (budget === null || budget === undefined) {
+      cell.textContent = fmtCompact(spent);
+      return cell;
+    }
+    const pct = budget ? Math.min(100, Math.round((100 * spent) / budget)) : 0;
+    cell.title = fmtInt(spent) + " of " + fmtInt(budget) + " tokens";
+    cell.append(
+      el("div", { class: "load-text" + (spent >= budget ? " warn-text" : ""), text: fmtCompact(spent) + " / " + fmtCompact(budget) }),
+      el("div", { class: "meter" }, [el("span", { style: "width:" + pct + "%" })]),
+    );
+    return cell;
+  }
+
+  function renderKeys(snap) {
+    const rows = snap.keys;
+    const section = document.getElementById("keys-section");
+    const table = document.getElementById("keys");
+    document.getElementById("keys-off").hidden = rows !== null && rows !== undefined;
+    if (rows === null || rows === undefined) {
+      table.hidden = true;
+      document.getElementById("keys-empty").hidden = true;
+      section.dataset.keys = "off";
+      return;
+    }
+    table.hidden = rows.length === 0;
+    document.getElementById("keys-empty").hidden = rows.length > 0;
+    section.dataset.keys = String(rows.length);
+    const tbody = table.querySelector("tbody");
+    tbody.replaceChildren(...rows.map((k) => {
+      const refused = Object.entries(k.rejected_by || {}).map(([o, n]) => n + " " + o.replace(/_/g, " ")).join(", ");
+      const name = k.id === null
+        ? el("span", { class: "muted", text: k.name + " · " + k.keys + " keys" })
+        : el("span", { class: "strong", text: k.name });
+      const limits = [];
+      if (k.max_concurrent) limits.push(k.max_concurrent + " at once");
+      if (k.requests_per_minute) limits.push(k.requests_per_minute + "/min");
+      return el("tr", { "data-key": k.id === null ? "(other)" : String(k.id) }, [
+        el("td", {}, [name, limits.length ? el("div", { class: "muted small", text: limits.join(" · ") }) : ""]),
+        el("td", { class: "num", "data-running": k.in_flight, text: fmtInt(k.in_flight) }),
+        el("td", { class: "num" + (k.queued ? " warn-text" : ""), "data-queued": k.queued, text: fmtInt(k.queued) }),
+        budgetCell(k.tokens_today, k.tokens_per_day),
+        budgetCell(k.tokens_month, k.tokens_per_month, "hide-sm"),
+        el("td", { class: "num" + (k.rejected ? " warn-text" : ""), title: refused || "none", text: fmtInt(k.rejected) }),
+        el("td", { class: "num hide-sm", text: k.weight === undefined ? "–" : String(k.weight) }),
+      ]);
+    }));
+  }
+
   // ---------------------------------------------------------------- recent requests
 
   function renderRecent(snap) {
@@ -300,6 +352,7 @@
     tbody.replaceChildren(...snap.recent.map((r) => el("tr", { "data-request-id": r.request_id }, [
       el("td", { class: "mono small", text: fmtClock(r.at) }),
       el("td", { class: "strong", text: r.model || "–" }),
+      el("td", { class: "small hide-sm", text: r.key || "–" }),
       el("td", { class: "mono small hide-sm", text: r.endpoint }),
       el("td", { class: "hide-sm", text: r.worker || "–" }),
       el("td", {}, [el("span", { class: "badge status-" + statusClass(r), title: r.outcome.replace(/_/g, " ") }, [
@@ -320,6 +373,7 @@
     renderWorkers(snap);
     renderProviders(snap);
     renderChart(snap);
+    renderKeys(snap);
     renderRecent(snap);
     document.body.dataset.snapshotAt = String(snap.at);
   }

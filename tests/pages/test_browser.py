@@ -63,21 +63,40 @@ def require_chromium() -> None:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     require_chromium()
     with live_server(tmp_path_factory.mktemp("browser")) as live:
-        env = {
-            **live.env,
-            "DJANGO_SUPERUSER_USERNAME": USERNAME,
-            "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
-            "DJANGO_SUPERUSER_EMAIL": "operator@example.com",
-        }
-        subprocess.run(
-            [sys.executable, "manage.py", "createsuperuser", "--noinput"],
-            cwd=ROOT,
-            env=env,
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
+        create_operator(live)
         yield live
+
+
+@pytest.fixture
+def keyed_server(tmp_path: Path) -> Iterator[LiveServer]:
+    """A server that requires API keys, with the operator and an admin token."""
+    require_chromium()
+    with live_server(
+        tmp_path, MODELRELAY_REQUIRE_API_KEYS="true", MODELRELAY_ADMIN_TOKEN=ADMIN_TOKEN
+    ) as live:
+        create_operator(live)
+        yield live
+
+
+ADMIN_TOKEN = "browser-admin"
+
+
+def create_operator(live: LiveServer) -> None:
+    """The staff user the tests log in as."""
+    env = {
+        **live.env,
+        "DJANGO_SUPERUSER_USERNAME": USERNAME,
+        "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
+        "DJANGO_SUPERUSER_EMAIL": "operator@example.com",
+    }
+    subprocess.run(
+        [sys.executable, "manage.py", "createsuperuser", "--noinput"],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 @pytest.fixture
@@ -223,6 +242,70 @@ def server_log_on_failure(server: LiveServer) -> Iterator[None]:
 async def test_the_dashboard_follows_workers_live_and_drains_them(server, browser):
     with server_log_on_failure(server):
         await _dashboard_flow(server, browser)
+
+
+async def test_the_dashboard_shows_who_is_using_the_pool_live(keyed_server, browser):
+    with server_log_on_failure(keyed_server):
+        await _keys_flow(keyed_server, browser)
+
+
+async def _keys_flow(server: LiveServer, browser: Any) -> None:
+    from playwright.async_api import expect
+
+    admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+        team = (await client.post("/admin/keys", json={"name": "team-a"}, headers=admin)).json()
+        lab = (
+            await client.post(
+                "/admin/keys",
+                json={"name": "lab", "max_concurrent": 1, "tokens_per_day": 1000, "weight": 2},
+                headers=admin,
+            )
+        ).json()
+    page = await new_page(browser)
+    await page.goto(server.url + "/dashboard")
+    await log_in(page)
+    await page.wait_for_url(server.url + "/dashboard")
+    await expect(page.locator("#live-status")).to_have_attribute("data-state", "live")
+    await expect(page.locator("#keys-empty")).to_be_visible()
+    box = await RawWorker.join(server, "gpu-box", ["llama3-8b"], hold=frozenset({"llama3-8b"}))
+    body = {"model": "llama3-8b", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+
+            def post(key: dict[str, Any]) -> Any:
+                auth = {"Authorization": f"Bearer {key['secret']}"}
+                return asyncio.create_task(
+                    client.post("/v1/chat/completions", json=body, headers=auth)
+                )
+
+            calls = [post(lab), post(team), post(team)]
+            async with asyncio.timeout(5):
+                first = await box.held.get()
+            refused = await client.post(
+                "/v1/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {lab['secret']}"},
+            )
+            assert refused.status_code == 429
+            lab_row = page.locator(f'#keys tr[data-key="{lab["id"]}"]')
+            team_row = page.locator(f'#keys tr[data-key="{team["id"]}"]')
+            await expect(lab_row.locator("[data-running]")).to_have_text("1")  # live
+            await expect(team_row.locator("[data-queued]")).to_have_text("2")
+            await expect(lab_row).to_contain_text("1 at once")
+            await expect(lab_row.locator("td").nth(5)).to_have_text("1")  # refused
+            await shoot(page, "dashboard-keys")
+            await box.answer(first)
+            for _ in range(2):
+                async with asyncio.timeout(5):
+                    await box.answer(await box.held.get())
+            assert [(await call).status_code for call in calls] == [200, 200, 200]
+            await expect(lab_row).to_contain_text("42 / 1,000")  # tokens today of budget
+            await expect(team_row.locator("[data-queued]")).to_have_text("0")
+            await expect(page.locator("#recent tbody tr").first).to_contain_text("team-a")
+    finally:
+        await box.close()
+    await page.context.close()
 
 
 async def test_the_wizard_walks_a_new_box_to_a_confirmed_live_worker(server, browser, tmp_path):

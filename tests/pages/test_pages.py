@@ -196,6 +196,39 @@ async def test_the_event_stream_ends_its_generator_when_the_client_disconnects(s
     await until(lambda: StreamCount.open == before)
 
 
+async def test_the_dashboard_shows_who_is_using_the_pool(staff, settings):
+    from keys.services import create_key
+
+    page = (await staff.get("/dashboard")).content.decode()
+    assert json.loads(_initial(page))["keys"] is None  # keys off: one anonymous lane
+    assert 'id="keys-off"' in page
+    settings.MODELRELAY_REQUIRE_API_KEYS = True
+    await runtime.reset()
+    team = await sync_to_async(create_key)("team-a", tokens_per_day=1000, weight=2)
+    auth = [(b"authorization", f"Bearer {team.secret}".encode())]
+    async with FakeWorker() as worker:
+        await worker.register(["m"], max_concurrent=1)
+        body = {"model": "m", "messages": []}
+        calls = [await HttpCall("POST", "/v1/chat/completions", body, headers=auth).send()]
+        first = await worker.expect(protocol.Request)
+        calls.append(await HttpCall("POST", "/v1/chat/completions", body, headers=auth).send())
+        await until(lambda: runtime.current().relay.queue_depth() == 1)
+        response = await staff.get("/dashboard/events")
+        _, data = await first_events(response, 2)
+        (row,) = json.loads(data.removeprefix("data: "))["keys"]
+        assert (row["name"], row["in_flight"], row["queued"], row["weight"]) == ("team-a", 1, 1, 2)
+        assert row["tokens_per_day"] == 1000
+        await worker.answer(first.request_id, prompt_tokens=5, completion_tokens=6)
+        second = await worker.expect(protocol.Request)
+        await worker.answer(second.request_id)
+        for call in calls:
+            await call.response()
+    snap = json.loads(_initial((await staff.get("/dashboard")).content.decode()))
+    (row,) = snap["keys"]
+    assert (row["in_flight"], row["queued"], row["tokens_today"], row["requests"]) == (0, 0, 11, 2)
+    assert snap["recent"][0]["key"] == "team-a"
+
+
 async def test_staff_drain_and_refresh_workers_from_the_dashboard(staff):
     async with FakeWorker() as worker:
         ack = await worker.register(["m"])

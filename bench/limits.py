@@ -1,0 +1,217 @@
+"""What per-key limits and fair queueing cost per request (SPEC §13): a micro-benchmark.
+
+Usage::
+
+    python bench/limits.py                      # in-process figures
+    python bench/limits.py --redis redis://127.0.0.1:6379/0   # plus the Redis round trip
+
+Measures, in this process, on the relay core the server runs:
+
+- *admission*: ``Limiter.admit`` and ``Ticket.close`` for a key with every counted
+  limit set (in-memory store) — what the HTTP edge adds before ``submit``;
+- *dispatcher*: ``submit`` + completion of one request through the real dispatcher and
+  a worker that answers at once, without a key, and with admission, ticket and the
+  per-key observer (the difference is what the limits add to a request);
+- *fair queue*: ``push`` + ``pop_for`` per request with 100 keys backlogged (10,000
+  waiting);
+- with ``--redis``: the admission round trip to Redis (p50, p99).
+
+Each figure is the median of ``--rounds`` rounds; the machine's load average is
+printed with them, since other work on the box inflates every figure. ``make test``
+never runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from relay.core.config import ProviderPolicy, RelayConfig  # noqa: E402
+from relay.core.fairqueue import FairQueue  # noqa: E402
+from relay.core.keystats import KeyStats  # noqa: E402
+from relay.core.limits import KeyLimits, Limiter, Ticket  # noqa: E402
+from relay.core.limitstore import MemoryLimitStore  # noqa: E402
+from relay.core.relay import Relay  # noqa: E402
+from relay.core.state import RelayRequest  # noqa: E402
+from relay.wire import protocol  # noqa: E402
+
+LIMITS = KeyLimits(
+    max_concurrent=1_000_000,
+    requests_per_minute=1_000_000_000,
+    tokens_per_day=10**15,
+    tokens_per_month=10**15,
+    allowed_models=frozenset({"m", "n"}),
+    expires_at=time.time() + 86_400,
+    weight=2,
+)
+COUNTS = protocol.TokenCounts(prompt_tokens=10, completion_tokens=20)
+
+
+class _Link:
+    def send(self, message: object) -> None:
+        pass
+
+    def close(self, code: int, reason: str) -> None:
+        pass
+
+
+def _per_request(seconds: float, n: int) -> float:
+    return seconds / n * 1e6
+
+
+async def admission(n: int) -> float:
+    limiter = Limiter(MemoryLimitStore())
+    keys = 100
+    start = time.perf_counter()
+    for i in range(n):
+        ticket = await limiter.admit(i % keys, LIMITS, "m")
+        ticket.close(COUNTS)
+    return _per_request(time.perf_counter() - start, n)
+
+
+async def dispatcher(n: int, *, with_ticket: bool) -> float:
+    config = RelayConfig()
+    relay = Relay(config, instance="bench")
+    relay.set_provider(ProviderPolicy.from_overrides(config, "local"))
+    worker, _ = relay.attach_worker(
+        provider="local",
+        name="w",
+        models=["m"],
+        max_concurrent=1,
+        current_load=0,
+        link=_Link(),
+    )
+    limiter = Limiter(MemoryLimitStore())
+    if with_ticket:  # the per-key figures the runtime keeps, as it does
+        relay.observers.append(KeyStats().observe)
+    start = time.perf_counter()
+    for i in range(n):
+        ticket = await limiter.admit(i % 100, LIMITS, "m") if with_ticket else None
+        request = relay.submit(
+            model="m",
+            endpoint_path="/v1/chat/completions",
+            flavor="openai",
+            is_streaming=False,
+            body='{"model":"m"}',
+            headers={},
+            key_id=i % 100 if with_ticket else None,
+            ticket=ticket,
+        )
+        relay.on_complete(
+            worker,
+            protocol.ResponseComplete(
+                request_id=request.id, status_code=200, headers={}, body="{}", token_counts=COUNTS
+            ),
+        )
+    elapsed = time.perf_counter() - start
+    await relay.aclose()
+    return _per_request(elapsed, n)
+
+
+class _Tickets:
+    def finished(self, ticket: Ticket, tokens: int) -> None:
+        pass
+
+
+def fair_queue(n: int, keys: int = 100, backlog: int = 10_000) -> float:
+    def make(seq: int) -> RelayRequest:
+        request = RelayRequest(
+            id=str(seq),
+            seq=seq,
+            provider="local",
+            model="m",
+            endpoint_path="/v1/chat/completions",
+            flavor="openai",
+            is_streaming=False,
+            body="",
+            headers={},
+            key_id=seq % keys,
+            created_wall=0.0,
+            now=0.0,
+            deadline=1.0,
+        )
+        request.ticket = Ticket(_Tickets(), seq % keys, 1 + seq % 3, held=False)  # type: ignore[arg-type]
+        return request
+
+    queue = FairQueue()
+    seq = 0
+    for seq in range(backlog):
+        queue.push(make(seq))
+    fresh = [make(backlog + i) for i in range(n)]
+    models = frozenset({"m", "other"})
+    start = time.perf_counter()
+    for request in fresh:
+        queue.push(request)
+        queue.pop_for(models)
+    return _per_request(time.perf_counter() - start, n)
+
+
+async def redis_round_trip(url: str, n: int) -> tuple[float, float]:
+    from relay.server.redislimits import RedisLimitStore
+
+    prefix = f"bench-{secrets.token_hex(4)}"
+    store = RedisLimitStore(url, prefix, "bench")
+    limiter = Limiter(store)
+    task = asyncio.get_running_loop().create_task(store.run())
+    samples = []
+    try:
+        for i in range(n):
+            start = time.perf_counter()
+            ticket = await limiter.admit(i % 100, LIMITS, "m")
+            samples.append((time.perf_counter() - start) * 1e6)
+            ticket.close(COUNTS)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        cleaner = RedisLimitStore(url, prefix, "cleaner")
+        keys = [k async for k in cleaner.redis.scan_iter(match=f"{prefix}:*")]
+        if keys:
+            await cleaner.redis.delete(*keys)
+        await cleaner.redis.aclose()
+    samples.sort()
+    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=20_000, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--redis", help="also measure the admission round trip to this Redis")
+    args = parser.parse_args()
+
+    def median(figures: list[float]) -> str:
+        return f"{statistics.median(figures):6.2f} µs"
+
+    rounds = range(args.rounds)
+    admit = [await admission(args.n) for _ in rounds]
+    bare, keyed = [], []
+    for _ in range(args.rounds * 2):  # interleaved, so drifting load hits both alike
+        bare.append(await dispatcher(args.n, with_ticket=False))
+        keyed.append(await dispatcher(args.n, with_ticket=True))
+    queue = [fair_queue(args.n) for _ in rounds]
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {load}")
+    print(f"admission (admit + close, every limit set)      {median(admit)} per request")
+    print(f"dispatcher, submit + completion, no key         {median(bare)} per request")
+    print(f"dispatcher, submit + completion, with admission {median(keyed)} per request")
+    added = [k - b for k, b in zip(keyed, bare, strict=True)]
+    print(f"  added by the limits                           {median(added)} per request")
+    print(f"fair queue push + pop_for, 100 keys, 10k queued {median(queue)} per request")
+    if args.redis:
+        p50, p99 = await redis_round_trip(args.redis, min(args.n, 5_000))
+        print(f"Redis admission round trip                      {p50:6.1f} µs p50", end="")
+        print(f", {p99:.1f} µs p99")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,352 @@
+"""The per-key limit counters in Redis, shared by every server process (SPEC §11, §13).
+
+Implements :class:`relay.core.limits.LimitStore`. Redis keys, under
+``<REDIS_PREFIX>:limits:``:
+
+``live``
+    ZSET: server process → the end of its lease (Redis time, ms). Every admission of
+    a process renews its lease, and so does its heartbeat, every third of
+    ``LIMITS_LEASE_SECS``.
+``slots:<key id>``
+    HASH: server process → concurrency slots it holds for that key. The admission
+    script counts a process's slots only while its lease runs: the slots of a
+    process that died stop counting within ``LIMITS_LEASE_SECS``, and its field is
+    deleted once it has been gone for an hour. Nothing leaks when a process dies.
+``rate:<key id>``
+    the request-rate allowance (GCRA: the "theoretical arrival time", ms), expiring
+    two minutes after it was last moved.
+``day:<key id>:<day>``, ``month:<key id>:<month>``
+    tokens spent (UTC day and month numbers, see :class:`relay.core.limits.Periods`),
+    expiring a day after their period ends.
+
+Admission is one ``EVALSHA`` of :data:`ADMIT`: every check and every increment at
+once, atomically — one round trip, and none for a key without counted limits. When a
+request ends, its slot and its tokens are queued here and written by the store's own
+task, batched into one pipeline per wake-up: never on the request path. If such a
+write fails, the tokens are retried and this process's slot counts for the keys
+concerned are re-asserted from memory by the next heartbeat.
+
+If Redis cannot be reached, :meth:`RedisLimitStore.acquire` raises
+:class:`~relay.core.limits.LimitStoreUnavailable` and the limiter admits without the
+counted limits (logged, counted in ``/admin/stats``): the relay keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Collection
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from relay.core.limits import DAY, KeyLimits, Limit, LimitStoreUnavailable, Periods, Refusal
+
+logger = logging.getLogger("relay.limits")
+
+#: The longest a limit check may wait for Redis before the request is admitted without it.
+REDIS_TIMEOUT_SECS = 2.0
+#: A process gone this long is forgotten (its slot fields deleted).
+FORGET_MS = 3_600_000
+#: Token charges kept for retry while Redis is unreachable (beyond: dropped, logged).
+MAX_PENDING = 100_000
+
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+#: KEYS: live, slots, rate, day, month.
+#: ARGV: process, lease ms, max_concurrent, requests/min, tokens/day, tokens/month (0: none).
+#: Returns {0, 0} when admitted, else {refusal (1 month, 2 day, 3 rate, 4 slots), retry ms}.
+ADMIT = (
+    _NOW
+    + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local month_limit = tonumber(ARGV[6])
+if month_limit > 0 and tonumber(redis.call('GET', KEYS[5]) or '0') >= month_limit then
+  return {1, 0}
+end
+local day_limit = tonumber(ARGV[5])
+if day_limit > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') >= day_limit then
+  return {2, 0}
+end
+local rate = tonumber(ARGV[4])
+local tat = 0
+local interval = 0
+if rate > 0 then
+  interval = 60000 / rate
+  local slack = 60000 - interval
+  tat = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if tat < now then tat = now end
+  if tat - now > slack + 0.001 then
+    return {3, math.ceil(tat - slack - now)}
+  end
+end
+local most = tonumber(ARGV[3])
+if most > 0 then
+  local held = redis.call('HGETALL', KEYS[2])
+  local total = 0
+  for i = 1, #held, 2 do
+    local lease = redis.call('ZSCORE', KEYS[1], held[i])
+    if not lease then
+      redis.call('HDEL', KEYS[2], held[i])
+    elseif tonumber(lease) >= now then
+      total = total + tonumber(held[i + 1])
+    end
+  end
+  if total >= most then
+    return {4, 0}
+  end
+  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+  redis.call('PEXPIRE', KEYS[2], 86400000)
+end
+if rate > 0 then
+  redis.call('SET', KEYS[3], string.format('%.3f', tat + interval), 'PX', 120000)
+end
+return {0, 0}
+"""
+)
+
+#: KEYS: slots, day, month. ARGV: process, held (0/1), tokens, day ttl ms, month ttl ms.
+FINISH = """
+if ARGV[2] == '1' then
+  local left = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+  if left <= 0 then
+    redis.call('HDEL', KEYS[1], ARGV[1])
+  end
+end
+local tokens = tonumber(ARGV[3])
+if tokens > 0 then
+  redis.call('INCRBY', KEYS[2], tokens)
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+  redis.call('INCRBY', KEYS[3], tokens)
+  redis.call('PEXPIRE', KEYS[3], ARGV[5])
+end
+return 0
+"""
+
+#: KEYS: live. ARGV: process, lease ms, forget ms.
+BEAT = (
+    _NOW
+    + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]))
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 0
+"""
+)
+
+_REFUSALS = {1: Limit.MONTH, 2: Limit.DAY, 3: Limit.RATE, 4: Limit.CONCURRENCY}
+_FAILURES = (RedisError, OSError, TimeoutError)
+
+
+def _unless_cancelled(exc: BaseException | None = None) -> None:
+    """redis-py may swallow a cancellation that lands mid-command, or turn it into a
+    connection error: raise it again, so the task ends as asked."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from exc
+
+
+class RedisLimitStore:
+    def __init__(self, url: str, prefix: str, instance: str, *, lease_secs: float = 15.0) -> None:
+        self.redis = aioredis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=REDIS_TIMEOUT_SECS,
+            socket_connect_timeout=REDIS_TIMEOUT_SECS,
+        )
+        self.prefix = f"{prefix}:limits"
+        self.instance = instance
+        self.lease_ms = max(1, int(lease_secs * 1000))
+        self._admit = self.redis.register_script(ADMIT)
+        self._finish = self.redis.register_script(FINISH)
+        self._beat = self.redis.register_script(BEAT)
+        #: Slots this process holds per key: the truth the heartbeat re-asserts.
+        self.held: Counter[int] = Counter()
+        self._repair: set[int] = set()
+        self._pending: list[tuple[int, bool, int, Periods]] = []
+        self._wake = asyncio.Event()
+
+    def _key(self, *parts: object) -> str:
+        return ":".join((self.prefix, *map(str, parts)))
+
+    async def acquire(
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float
+    ) -> Refusal | None:
+        keys = [
+            self._key("live"),
+            self._key("slots", key_id),
+            self._key("rate", key_id),
+            self._key("day", key_id, at.day),
+            self._key("month", key_id, at.month),
+        ]
+        args: list[str | int] = [
+            self.instance,
+            self.lease_ms,
+            limits.max_concurrent or 0,
+            limits.requests_per_minute or 0,
+            limits.tokens_per_day or 0,
+            limits.tokens_per_month or 0,
+        ]
+        counted = limits.max_concurrent is not None
+        if counted:
+            # Before the round trip, so a heartbeat that crosses it cannot re-assert
+            # a count without this slot.
+            self.held[key_id] += 1
+        try:
+            code, retry_ms = await self._admit(keys=keys, args=args)
+        except _FAILURES as exc:
+            if counted:
+                self._unhold(key_id)
+            _unless_cancelled(exc)
+            raise LimitStoreUnavailable(str(exc) or type(exc).__name__) from exc
+        except asyncio.CancelledError:
+            if counted:  # the script may have run: give the slot back either way
+                self.finish(key_id, True, 0, at)
+            raise
+        if code == 0:
+            try:
+                _unless_cancelled()
+            except asyncio.CancelledError:
+                if counted:
+                    self.finish(key_id, True, 0, at)
+                raise
+            return None
+        if counted:
+            self._unhold(key_id)
+        return Refusal(_REFUSALS[int(code)], int(retry_ms) / 1000)
+
+    def _unhold(self, key_id: int) -> None:
+        left = self.held[key_id] - 1
+        if left > 0:
+            self.held[key_id] = left
+        else:
+            self.held.pop(key_id, None)
+
+    def finish(self, key_id: int, held: bool, tokens: int, at: Periods) -> None:
+        if held:
+            self._unhold(key_id)
+        if len(self._pending) < MAX_PENDING:
+            self._pending.append((key_id, held, tokens, at))
+        else:
+            logger.warning("limit store backlog full: dropping a token charge of key %s", key_id)
+            if held:
+                self._repair.add(key_id)
+        self._wake.set()
+
+    async def spend(self, key_ids: Collection[int], at: Periods) -> dict[int, tuple[int, int]]:
+        ids = list(key_ids)
+        if not ids:
+            return {}
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.mget([self._key("day", k, at.day) for k in ids])
+                pipe.mget([self._key("month", k, at.month) for k in ids])
+                days, months = await pipe.execute()
+        except _FAILURES as exc:
+            _unless_cancelled(exc)
+            raise LimitStoreUnavailable(str(exc) or type(exc).__name__) from exc
+        out = {}
+        for key_id, day, month in zip(ids, days, months, strict=True):
+            if month:
+                out[key_id] = (int(day or 0), int(month))
+        return out
+
+    async def run(self) -> None:
+        """Owned by the runtime: write what ended, renew this process's lease. On
+        cancel, a last write and the lease dropped, so others need not wait it out."""
+        every = self.lease_ms / 3000
+        loop = asyncio.get_running_loop()
+        next_beat = 0.0
+        try:
+            while True:
+                if loop.time() >= next_beat:
+                    await self._heartbeat()
+                    _unless_cancelled()
+                    next_beat = loop.time() + every
+                # A timer, not asyncio.timeout(): nothing here may take a cancel for
+                # a timeout.
+                beat = loop.call_at(next_beat, self._wake.set)
+                try:
+                    await self._wake.wait()
+                finally:
+                    beat.cancel()
+                self._wake.clear()
+                await self._write()
+                _unless_cancelled()
+        finally:
+            await self._leave()
+
+    async def _leave(self) -> None:
+        """Last writes and the lease dropped, while the task is being cancelled."""
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
+        for _ in range(cancels):  # so that the writes below are not cut short
+            task.uncancel()  # type: ignore[union-attr]
+        try:
+            async with asyncio.timeout(REDIS_TIMEOUT_SECS):
+                await self._write()
+                await self.redis.zrem(self._key("live"), self.instance)
+        except (*_FAILURES, asyncio.CancelledError):
+            logger.warning("could not leave the limit store cleanly", exc_info=True)
+        finally:
+            await self.redis.aclose()
+            if task is not None and cancels:
+                task.cancel()  # still on its way out: the caller's cancel stands
+
+    async def _write(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key_id, held, tokens, at in batch:
+                    now = at.day_ends - DAY  # within the day; TTLs need not be exact
+                    await self._finish(
+                        keys=[
+                            self._key("slots", key_id),
+                            self._key("day", key_id, at.day),
+                            self._key("month", key_id, at.month),
+                        ],
+                        args=[
+                            self.instance,
+                            1 if held else 0,
+                            tokens,
+                            int((at.day_ends - now + DAY) * 1000),
+                            int((at.month_ends - now + DAY) * 1000),
+                        ],
+                        client=pipe,
+                    )
+                await pipe.execute()
+        except (*_FAILURES, asyncio.CancelledError) as exc:
+            self._repair.update(key_id for key_id, held, _, _ in batch if held)
+            retry = [(k, False, tokens, at) for k, _, tokens, at in batch if tokens]
+            self._pending[:0] = retry[: MAX_PENDING - len(self._pending)]
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            _unless_cancelled(exc)
+            logger.warning("could not write %d finished request(s) to Redis: %s", len(batch), exc)
+
+    async def _heartbeat(self) -> None:
+        repair, self._repair = self._repair, set()
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                await self._beat(
+                    keys=[self._key("live")],
+                    args=[self.instance, self.lease_ms, FORGET_MS],
+                    client=pipe,
+                )
+                for key_id in repair:
+                    count = self.held.get(key_id, 0)
+                    if count:
+                        pipe.hset(self._key("slots", key_id), self.instance, count)
+                    else:
+                        pipe.hdel(self._key("slots", key_id), self.instance)
+                await pipe.execute()
+        except _FAILURES as exc:
+            self._repair |= repair
+            _unless_cancelled(exc)
+            logger.warning("could not renew this process's lease in Redis: %s", exc)
