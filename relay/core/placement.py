@@ -4,7 +4,8 @@ The dispatcher alone places requests on the workers connected to its own process
 a :class:`Placement` plugged in (``relay.server.placement`` backs it with Redis), the
 choice becomes cluster-wide: capacity is reserved in one shared place, requests that
 find none wait in one shared queue per provider, and a slot that frees anywhere goes to
-the oldest compatible request anywhere. The dispatcher still owns every request it
+the compatible request whose turn it is anywhere (the fair order of
+:mod:`relay.core.fairqueue`). The dispatcher still owns every request it
 admitted (its deadlines, cancellation, requeue) and every worker connected to it; the
 placement only decides *which* worker, and tells the dispatcher through
 :meth:`relay.core.dispatch.Dispatcher.assign_to`.
@@ -36,7 +37,7 @@ class Placement(Protocol):
 
     def freed(self, worker: Worker, lease: str | None) -> None:
         """A local worker's slot opened (the request that held reservation ``lease``
-        left it): give it to the oldest compatible request anywhere."""
+        left it): give it to the compatible request whose turn it is, anywhere."""
 
     def worker_changed(self, worker: Worker) -> None:
         """A local worker registered, or its models or drain state changed."""

@@ -1,62 +1,62 @@
-"""The bounded per-provider wait queue.
+"""The bounded per-provider wait queue: its interface, and the implementation in use.
 
-Ordered by first arrival (``seq``), so a request put back after its worker died goes
-ahead of every request that arrived after it. FIFO holds among requests a given
-worker can serve: :meth:`ProviderQueue.next_for` returns the oldest one whose model
-the worker was acked for and that it does not refuse.
+The dispatcher (the only caller, always on the event loop) holds one queue per
+provider and uses nothing but :class:`WaitQueue`; the bound (MAX_QUEUE_LEN) and the
+deadlines are the dispatcher's. The order is :mod:`relay.core.fairqueue`'s: requeued
+requests first, then API keys in weighted round-robin, FIFO within a key among the
+requests the freed worker can serve. Without API keys every request is in one lane
+and the order is the plain one: the oldest request whose model the worker was acked
+for, a request put back after its worker died ahead of every later arrival. A worker
+that refuses some requests (a legacy node) is passed those, as if their model were not its.
+
+**Across server processes** (cluster mode) the shared queue in Redis keeps the same
+order: per-key lanes, one ring of keys per provider with credits and weights, and a
+requeued lane that goes first, each change one atomic Lua script
+(:mod:`relay.server.clusterstate`).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import Protocol
 
+from relay.core.fairqueue import FairQueue, Refuses
 from relay.core.state import RelayRequest
 
 
-class ProviderQueue:
-    __slots__ = ("_items", "_seqs")
-
-    def __init__(self) -> None:
-        self._items: list[RelayRequest] = []
-        self._seqs: list[int] = []
+class WaitQueue(Protocol):
+    """What the dispatcher needs of a provider's queue."""
 
     def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self) -> Iterator[RelayRequest]:
-        return iter(list(self._items))
+        """Requests waiting."""
 
     def push(self, request: RelayRequest) -> None:
-        """Insert in arrival order (O(1) for new arrivals, O(n) for requeues)."""
-        if not self._seqs or request.seq > self._seqs[-1]:
-            self._items.append(request)
-            self._seqs.append(request.seq)
-            return
-        index = bisect.bisect_left(self._seqs, request.seq)
-        self._items.insert(index, request)
-        self._seqs.insert(index, request.seq)
+        """A new arrival, or a request put back after losing its worker (it has a
+        ``worker_id``): the latter goes ahead of every lane."""
+
+    def pop_for(self, models: frozenset[str], refuses: Refuses = None) -> RelayRequest | None:
+        """Take the request a worker serving ``models`` gets next, and charge that
+        request's key for its turn; None when nothing waiting is compatible. A picky
+        worker (``refuses``, see :attr:`Worker.refuses`) is passed what it refuses."""
+
+    def next_for(self, models: frozenset[str], refuses: Refuses = None) -> RelayRequest | None:
+        """What :meth:`pop_for` would take, without taking it."""
 
     def remove(self, request: RelayRequest) -> bool:
-        index = bisect.bisect_left(self._seqs, request.seq)
-        if index < len(self._items) and self._items[index] is request:
-            del self._items[index]
-            del self._seqs[index]
-            return True
-        return False
+        """Take out a request that stopped waiting (cancel, timeout, placed elsewhere);
+        False when it was not queued."""
 
-    def next_for(
-        self,
-        models: frozenset[str],
-        refuses: Callable[[RelayRequest], str | None] | None = None,
-    ) -> RelayRequest | None:
-        for request in self._items:
-            if request.model in models and (refuses is None or refuses(request) is None):
-                return request
-        return None
+    def __iter__(self) -> Iterator[RelayRequest]:
+        """A snapshot of the waiting requests in dispatch order (safe to remove from
+        the queue while iterating it)."""
 
     def drain(self) -> list[RelayRequest]:
-        items = self._items
-        self._items = []
-        self._seqs = []
-        return items
+        """Empty the queue and return what it held."""
+
+    def depth_by_key(self) -> dict[int | None, int]:
+        """Waiting requests per API key id (None: sent without a key)."""
+
+
+ProviderQueue = FairQueue
+
+__all__ = ["ProviderQueue", "WaitQueue"]

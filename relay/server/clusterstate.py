@@ -7,6 +7,11 @@ and, in the same step, handing it to the oldest compatible queued request
 (:meth:`ClusterState.release`). A slot can therefore never be free while a request
 that fits it waits, and no worker is ever reserved past its ``max_concurrent``.
 
+The shared queue keeps the order of :mod:`relay.core.fairqueue` across processes:
+requeued requests first, oldest arrival first; then the API keys take turns in one
+ring per provider (weighted round-robin, every request costs one credit of its key's
+turn), FIFO within a key among the requests the worker can serve.
+
 Keys (``P`` is REDIS_PREFIX):
 
 - ``P:proc:<instance>``: the process's address for the others; expires unless
@@ -16,9 +21,15 @@ Keys (``P`` is REDIS_PREFIX):
   models), ``P:l:<worker>`` (its reservations, scored by expiry): refreshed with the
   process, so a dead process's workers vanish with it;
 - ``P:m:<provider>:<model>``: the workers serving a model (dead ones pruned lazily);
-- ``P:q:<provider>`` (entries scored by global arrival order) and ``P:qe:<entry>``
-  (model, origin process, deadline, plain — whether picky workers may take it;
-  expires at the deadline): the shared queue;
+- ``P:q:<provider>`` (every waiting entry, scored by global arrival order) and
+  ``P:qe:<entry>`` (model, origin process, deadline, plain — whether picky workers may
+  take it —, lane; expires at the deadline): the shared queue;
+- ``P:ql:<provider>:<lane>``: a lane's entries by arrival order; the lane is ``k<key
+  id>``, ``anon`` (requests without a key) or ``requeued`` (dispatched before);
+- ``P:qr:<provider>`` (list): the ring of key lanes with entries, the lane whose turn
+  it is first; ``P:qc:<provider>`` and ``P:qw:<provider>`` (hashes): each ring lane's
+  credit left in its turn and its weight. A lane is in the ring exactly while it
+  holds entries (every script that adds or removes entries keeps that true);
 - ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals).
 
 A reservation's id is its request's entry id, ``<instance>|<request id>``: unique, and
@@ -43,6 +54,7 @@ local P, provider, model = ARGV[1], ARGV[2], ARGV[3]
 local now, lease, lease_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local origin, deadline = ARGV[7], tonumber(ARGV[8])
 local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
+local lane, weight = ARGV[12], tonumber(ARGV[13])
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties = nil, {}
 for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
@@ -79,13 +91,46 @@ if max_queue >= 0 and redis.call('ZCARD', queue) >= max_queue then
   return {'full', '', '', '', seq}
 end
 redis.call('ZADD', queue, seq, lease)
+local lane_key = P .. ':ql:' .. provider .. ':' .. lane
+if lane ~= 'requeued' then
+  local weights = P .. ':qw:' .. provider
+  if redis.call('ZCARD', lane_key) == 0 then
+    redis.call('RPUSH', P .. ':qr:' .. provider, lane)  -- joins at the back, full credit
+    redis.call('HSET', P .. ':qc:' .. provider, lane, weight)
+  elseif tonumber(redis.call('HGET', weights, lane) or weight) ~= weight then
+    local credits = P .. ':qc:' .. provider
+    local credit = tonumber(redis.call('HGET', credits, lane) or weight)
+    redis.call('HSET', credits, lane, math.min(credit, weight))
+  end
+  redis.call('HSET', weights, lane, weight)
+end
+redis.call('ZADD', lane_key, seq, lease)
 redis.call('HSET', P .. ':qe:' .. lease, 'model', model, 'origin', origin, 'deadline', deadline,
-           'plain', plain)
+           'plain', plain, 'lane', lane)
 redis.call('PEXPIREAT', P .. ':qe:' .. lease, deadline)
 return {'queued', '', '', '', seq}
 """
 
-_RELEASE = """
+#: Lua shared by the scripts that take entries out of the shared queue.
+_LANES = """
+local function drop_lane_if_empty(P, provider, lane)
+  if lane ~= 'requeued' and redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
+    redis.call('LREM', P .. ':qr:' .. provider, 1, lane)
+    redis.call('HDEL', P .. ':qc:' .. provider, lane)
+    redis.call('HDEL', P .. ':qw:' .. provider, lane)
+  end
+end
+
+local function unqueue(P, provider, lane, entry)
+  redis.call('ZREM', P .. ':q:' .. provider, entry)
+  redis.call('ZREM', P .. ':ql:' .. provider .. ':' .. lane, entry)
+  redis.call('DEL', P .. ':qe:' .. entry)
+end
+"""
+
+_RELEASE = (
+    _LANES
+    + """
 local P, wid, lease = ARGV[1], ARGV[2], ARGV[3]
 local now, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
 local leases = P .. ':l:' .. wid
@@ -100,35 +145,78 @@ redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
 if redis.call('ZCARD', leases) >= tonumber(w[2]) then
   return false
 end
+local provider = w[4]
 local models = {}
 for _, m in ipairs(redis.call('SMEMBERS', P .. ':wm:' .. wid)) do
   models[m] = true
 end
-local queue = P .. ':q:' .. w[4]
-local start = 0
-while true do
-  local batch = redis.call('ZRANGE', queue, start, start + 63)
-  if #batch == 0 then
-    return false
-  end
-  local kept = 0
-  for _, entry in ipairs(batch) do
-    local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline', 'plain')
-    if not e[1] or tonumber(e[3]) <= now or redis.call('EXISTS', P .. ':proc:' .. e[2]) == 0 then
-      redis.call('ZREM', queue, entry)
-      redis.call('DEL', P .. ':qe:' .. entry)
-    elseif models[e[1]] and (w[5] ~= '1' or e[4] == '1') then
-      redis.call('ZREM', queue, entry)
-      redis.call('DEL', P .. ':qe:' .. entry)
-      redis.call('ZADD', leases, now + lease_ms, entry)
-      return {entry, e[2]}
-    else
-      kept = kept + 1
+
+-- The oldest entry of a lane this worker can serve (dead entries are pruned on the way).
+local function oldest(lane)
+  local lane_key = P .. ':ql:' .. provider .. ':' .. lane
+  local start = 0
+  while true do
+    local batch = redis.call('ZRANGE', lane_key, start, start + 63)
+    if #batch == 0 then
+      return nil
     end
+    local kept = 0
+    for _, entry in ipairs(batch) do
+      local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline', 'plain')
+      if not e[1] or tonumber(e[3]) <= now or redis.call('EXISTS', P .. ':proc:' .. e[2]) == 0 then
+        unqueue(P, provider, lane, entry)
+      elseif models[e[1]] and (w[5] ~= '1' or e[4] == '1') then
+        return {entry, e[2]}
+      else
+        kept = kept + 1
+      end
+    end
+    start = start + kept
   end
-  start = start + kept
 end
+
+local function take(lane, found)
+  unqueue(P, provider, lane, found[1])
+  redis.call('ZADD', leases, now + lease_ms, found[1])
+  return found
+end
+
+local found = oldest('requeued')
+if found then
+  return take('requeued', found)  -- it had its turn already: nothing is charged
+end
+local ring = P .. ':qr:' .. provider
+for _, lane in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+  found = oldest(lane)
+  if found then
+    take(lane, found)
+    if redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
+      drop_lane_if_empty(P, provider, lane)
+    elseif redis.call('HINCRBY', P .. ':qc:' .. provider, lane, -1) <= 0 then
+      -- the lane's turn is over: to the back of the ring, credit refilled
+      local weight = redis.call('HGET', P .. ':qw:' .. provider, lane) or '1'
+      redis.call('HSET', P .. ':qc:' .. provider, lane, weight)
+      redis.call('LREM', ring, 1, lane)
+      redis.call('RPUSH', ring, lane)
+    end
+    return found
+  end
+  drop_lane_if_empty(P, provider, lane)  -- when pruning emptied it
+end
+return false
 """
+)
+
+_WITHDRAW = (
+    _LANES
+    + """
+local P, provider, entry = ARGV[1], ARGV[2], ARGV[3]
+local lane = redis.call('HGET', P .. ':qe:' .. entry, 'lane') or ARGV[4]
+unqueue(P, provider, lane, entry)
+drop_lane_if_empty(P, provider, lane)
+return 1
+"""
+)
 
 _EXTEND = """
 local P, wid, lease, expiry = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
@@ -137,6 +225,14 @@ if redis.call('EXISTS', P .. ':w:' .. wid) == 1 then
 end
 return 1
 """
+
+
+def lane_of(key_id: int | None, requeued: bool) -> str:
+    """The shared-queue lane of a request of API key ``key_id`` (None: no key);
+    ``requeued``: it was dispatched before and goes ahead of every key."""
+    if requeued:
+        return "requeued"
+    return "anon" if key_id is None else f"k{key_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +252,7 @@ class ClusterState:
         self._place = redis.register_script(_PLACE)
         self._release = redis.register_script(_RELEASE)
         self._extend = redis.register_script(_EXTEND)
+        self._withdraw = redis.register_script(_WITHDRAW)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -174,8 +271,11 @@ class ClusterState:
         seq: int,
         max_queue: int,
         plain: bool = True,
+        lane: str = "anon",
+        weight: int = 1,
     ) -> tuple[str, Placed | None, int]:
-        """Reserve the least-loaded slot for ``model`` or queue ``entry``.
+        """Reserve the least-loaded slot for ``model`` or queue ``entry`` at the back of
+        ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
 
         Returns ``("placed", where, seq)``, ``("queued", None, seq)`` or
         ``("full", None, seq)``; ``seq`` is the request's place in the global arrival
@@ -194,6 +294,8 @@ class ClusterState:
                 seq,
                 max_queue,
                 "1" if plain else "0",
+                lane,
+                weight,
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])
@@ -201,9 +303,9 @@ class ClusterState:
         return kind, placed, int(reply[4])
 
     async def release(self, worker_id: str, lease: str, now_ms: int) -> tuple[str, str] | None:
-        """Release ``lease`` on the worker and give the free slot to the oldest queued
-        request it can serve: returns that request's ``(entry, origin)`` (its slot is
-        reserved under ``entry``), or None."""
+        """Release ``lease`` on the worker and give the free slot to the queued request
+        it should serve next (requeued first, then the keys' turns): returns that
+        request's ``(entry, origin)`` (its slot is reserved under ``entry``), or None."""
         popped = await self._release(args=[self.prefix, worker_id, lease, now_ms, PENDING_LEASE_MS])
         if not popped:
             return None
@@ -213,9 +315,9 @@ class ClusterState:
         """The reserved request reached its worker: keep the slot until its deadline."""
         await self._extend(args=[self.prefix, worker_id, lease, expiry_ms])
 
-    async def withdraw(self, provider: str, entry: str) -> None:
-        await self.redis.zrem(self._key("q", provider), entry)
-        await self.redis.delete(self._key("qe", entry))
+    async def withdraw(self, provider: str, entry: str, lane: str) -> None:
+        """Drop a waiting entry (its request ended where it was admitted)."""
+        await self._withdraw(args=[self.prefix, provider, entry, lane])
 
     async def queue_depth(self) -> int:
         total = 0

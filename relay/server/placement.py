@@ -30,10 +30,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from relay.core.fairqueue import weight_of
 from relay.core.legacy.tasks import refusal
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
-from relay.server.clusterstate import ClusterState, Placed
+from relay.server.clusterstate import ClusterState, Placed, lane_of
 from relay.server.proxy import ProxyPool
 from relay.wire.errors import QueueFull
 
@@ -86,7 +87,8 @@ class RedisPlacement:
         entry = self._entry(request)
         self._order.pop(entry, None)
         if self.waiting.pop(entry, None) is not None:
-            self._spawn(self.state.withdraw(request.provider, entry))
+            lane = lane_of(request.key_id, request.worker_id is not None)
+            self._spawn(self.state.withdraw(request.provider, entry, lane))
 
     def freed(self, worker: Worker, lease: str | None) -> None:
         self._spawn(self._release(worker.id, lease or ""))
@@ -120,6 +122,8 @@ class RedisPlacement:
             seq=self._order.get(entry, 0),
             max_queue=-1 if requeued or policy is None else policy.policy.max_queue_len,
             plain=refusal(request) is None,
+            lane=lane_of(request.key_id, request.worker_id is not None),
+            weight=weight_of(request),
         )
         self._order[entry] = order
         logger.debug("placing %s: %s %s (order %d)", entry, kind, placed, order)
