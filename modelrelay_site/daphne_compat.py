@@ -29,12 +29,24 @@ anyway (wrong method, no valid API key, not JSON, a declared length over
 MAX_REQUEST_BYTES) is answered as soon as its headers are in: Twisted would
 otherwise read (and spool to disk) the whole body before the application sees the
 request. A chunked body is cut off at MAX_REQUEST_BYTES the same way.
+Two changes make Twisted's socket I/O cost what asyncio's does. A write to a TCP
+connection with nothing buffered goes to the socket at once, as asyncio's transports
+do; Twisted would buffer it, register the socket for writability, send on the next
+loop iteration and unregister it again: two ``epoll_ctl`` calls and a loop turn for
+every streamed chunk. Whatever the socket does not take is buffered the usual way
+(and a broken connection is left for Twisted's own write path to report). And
+readiness callbacks call the reactor directly, without Twisted's legacy log context
+around each one (a dictionary copy and a context push per event), which nothing
+here reads; a failure is still logged.
+
 Installed only when daphne is the server in this process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import functools
 import sys
 from typing import Any
 
@@ -56,6 +68,7 @@ def install() -> None:
     WebRequest.__init__ = request_init
     _install_backpressure()
     _install_header_limits()
+    _install_direct_io()
 
     if getattr(WebSocketProtocol, "_relay_close_frames", False):
         return
@@ -80,6 +93,7 @@ def install() -> None:
     WebSocketProtocol.handle_reply = handle_reply
     WebSocketFactory.setProtocolOptions = set_protocol_options
     WebSocketProtocol._relay_close_frames = True
+    _install_lean_frames(WebSocketProtocol)
 
 
 class _Waker:
@@ -132,12 +146,15 @@ def _install_backpressure() -> None:
     original = Server.handle_reply
 
     async def handle_reply(self: Any, protocol: Any, message: dict[str, Any]) -> None:
-        await original(self, protocol, message)
-        if (
-            message.get("more_body")
-            and message.get("type") == "http.response.body"
-            and isinstance(protocol, WebRequest)
-        ):
+        if message.get("type") != "http.response.body" or not isinstance(protocol, WebRequest):
+            await original(self, protocol, message)
+            return
+        # daphne's own checks for a body part (the header checks are for the start).
+        connection = self.connections.get(protocol)
+        if connection is None or connection.get("disconnected"):
+            return
+        protocol.handle_reply(message)
+        if message.get("more_body"):
             await _wait_for_client(protocol)
 
     Server.handle_reply = handle_reply
@@ -229,16 +246,23 @@ def _install_header_limits() -> None:
     _install_body_limit()
 
 
+@functools.cache
+def _checks() -> tuple[Any, ...]:
+    """The application's request checks, imported once (Django is set up by then)."""
+    from relay.server import runtime
+    from relay.server.http import before_body, host_allowed, route_table
+    from relay.wire.errors import BadRequest, RelayError
+
+    return runtime, before_body, host_allowed, route_table, BadRequest, RelayError
+
+
 def _refused_before_body(channel: Any) -> bytes | None:
     """The response for an inference request that is refused on its headers alone.
 
     Only requests with a body to avoid (a declared length, or chunked); the same
     checks run again in the application, which answers everything else.
     """
-    from relay.server import runtime
-    from relay.server.http import before_body, host_allowed, route_table
-    from relay.wire.errors import BadRequest, RelayError
-
+    runtime, before_body, host_allowed, route_table, BadRequest, RelayError = _checks()
     path = channel._path.split(b"?", 1)[0].decode("latin-1")
     flavor = route_table().get(path)
     if flavor is None or channel.length == 0 or channel._command == b"OPTIONS":
@@ -283,3 +307,163 @@ def _install_body_limit() -> None:
         original(self, data)
 
     WebRequest.handleContentChunk = handle_content_chunk
+
+
+def _install_direct_io() -> None:
+    from twisted.internet import abstract, asyncioreactor, tcp
+
+    descriptor: Any = abstract.FileDescriptor
+    if getattr(descriptor, "_relay_direct_io", False):
+        return
+    buffered_write = descriptor.write
+    buffered_sequence = descriptor.writeSequence
+    connection: Any = tcp.Connection
+
+    def flush(self: Any) -> None:
+        """End of the loop turn in which ``self`` was first written to: send."""
+        self._relay_flush_due = False
+        if not self.connected or self.reactor._writers.get(self) is not None:
+            return  # gone, or its buffer went the usual way meanwhile
+        why = self.doWrite()
+        if why:
+            self.reactor._disconnectSelectable(self, why, False)
+        elif self._tempDataLen or self.offset < len(self.dataBuffer):
+            self.startWriting()  # the socket took part of it: wait until writable
+
+    def fast_write(self: Any, data: bytes) -> bool:
+        """Queue ``data`` to be sent at the end of this loop turn, without waiting for
+        writability; False when the usual path must take it (not a TCP connection,
+        closing, or data still waiting for the socket to drain)."""
+        if (
+            not isinstance(self, connection)
+            or not self.connected
+            or self.disconnecting
+            or self._writeDisconnected
+            or self._writeDisconnecting
+        ):
+            return False
+        if not self._relay_flush_due:
+            if self._tempDataLen or self.offset < len(self.dataBuffer):
+                return False  # already waiting for the socket to drain
+            self._relay_flush_due = True
+            self.reactor._asyncioEventloop.call_soon(flush, self)
+        self._tempDataBuffer.append(data)
+        self._tempDataLen += len(data)
+        self._maybePauseProducer()
+        return True
+
+    def write(self: Any, data: bytes) -> None:
+        if not (type(data) is bytes and data and fast_write(self, data)):
+            buffered_write(self, data)
+
+    def write_sequence(self: Any, iovec: Any) -> None:
+        parts = list(iovec)
+        if parts and all(type(part) is bytes for part in parts):
+            write(self, b"".join(parts))
+        else:
+            buffered_sequence(self, parts)
+
+    descriptor._relay_flush_due = False
+    descriptor.write = write
+    descriptor.writeSequence = write_sequence
+    descriptor._relay_direct_io = True
+
+    reactor_class: Any = asyncioreactor.AsyncioSelectorReactor
+
+    def on_ready(self: Any, selectable: Any, read: bool) -> None:
+        try:
+            self._readOrWrite(selectable, read)
+        except Exception:
+            self._log.failure("I/O callback of {selectable!r} failed", selectable=selectable)
+
+    def add_reader(self: Any, reader: Any) -> None:
+        if reader in self._readers or reader in self._continuousPolling._readers:
+            return
+        fd = reader.fileno()
+        try:
+            self._asyncioEventloop.add_reader(fd, on_ready, self, reader, True)
+            self._readers[reader] = fd
+        except OSError as exc:
+            self._unregisterFDInAsyncio(fd)
+            if exc.errno != errno.EPERM:
+                raise
+            self._continuousPolling.addReader(reader)  # epoll refuses regular files
+
+    def add_writer(self: Any, writer: Any) -> None:
+        if writer in self._writers or writer in self._continuousPolling._writers:
+            return
+        fd = writer.fileno()
+        try:
+            self._asyncioEventloop.add_writer(fd, on_ready, self, writer, False)
+            self._writers[writer] = fd
+        except PermissionError:
+            self._unregisterFDInAsyncio(fd)
+            self._continuousPolling.addWriter(writer)
+        except BrokenPipeError:
+            self._unregisterFDInAsyncio(fd)
+        except BaseException:
+            self._unregisterFDInAsyncio(fd)
+            raise
+
+    reactor_class.addReader = add_reader
+    reactor_class.addWriter = add_writer
+
+
+#: Frames up to this size are unmasked in Python: faster than setting up autobahn's
+#: native masker, which pays off only for larger payloads.
+SMALL_FRAME = 1024
+
+
+class _SmallMasker:
+    """Unmasks a small frame's payload (RFC 6455 §5.3), possibly in several pieces."""
+
+    __slots__ = ("_mask", "_ptr")
+
+    def __init__(self, mask: bytes) -> None:
+        self._mask = mask
+        self._ptr = 0
+
+    def pointer(self) -> int:
+        return self._ptr
+
+    def reset(self) -> None:
+        self._ptr = 0
+
+    def process(self, data: bytes) -> bytes:
+        size = len(data)
+        if not size:
+            return b""
+        shift = self._ptr & 3
+        mask = self._mask[shift:] + self._mask[:shift]
+        key = (mask * ((size >> 2) + 1))[:size]
+        self._ptr += size
+        return (int.from_bytes(data, "little") ^ int.from_bytes(key, "little")).to_bytes(
+            size, "little"
+        )
+
+
+def _install_lean_frames(protocol_class: Any) -> None:
+    """Per incoming frame, autobahn sets up a native masker and, per message, fires
+    its ``message`` event through a chain of Deferreds that nobody listens to here.
+    Small frames get :class:`_SmallMasker`; messages without listeners skip the event."""
+    from autobahn.websocket import protocol as autobahn_protocol
+
+    native = autobahn_protocol.create_xor_masker
+
+    def create_xor_masker(mask: bytes, length: int | None = None) -> Any:
+        if length is not None and length <= SMALL_FRAME:
+            return _SmallMasker(bytes(mask))
+        return native(mask, length)
+
+    autobahn_protocol.create_xor_masker = create_xor_masker
+    original_end = protocol_class.onMessageEnd
+
+    def on_message_end(self: Any) -> None:
+        if self.trackedTimings or getattr(self, "_listeners", None) or self._parent is not None:
+            original_end(self)
+            return
+        if not self.failedByMe:
+            self._onMessage(b"".join(self.message_data), self.message_is_binary)
+        self.message_data = None
+
+    protocol_class.onMessageEnd = on_message_end
