@@ -324,11 +324,20 @@ def _install_direct_io() -> None:
         self._relay_flush_due = False
         if not self.connected or self.reactor._writers.get(self) is not None:
             return  # gone, or its buffer went the usual way meanwhile
-        why = self.doWrite()
-        if why:
-            self.reactor._disconnectSelectable(self, why, False)
-        elif self._tempDataLen or self.offset < len(self.dataBuffer):
-            self.startWriting()  # the socket took part of it: wait until writable
+        parts = self._tempDataBuffer
+        data = parts[0] if len(parts) == 1 else b"".join(parts)
+        self._tempDataBuffer = []
+        self._tempDataLen = 0
+        sent = self.writeSomeData(data)
+        if type(sent) is not int:  # the connection is lost
+            self.dataBuffer, self.offset = data, 0
+            self.reactor._disconnectSelectable(self, sent, False)
+        elif sent < len(data):  # the socket took part of it: the rest when writable
+            self.dataBuffer, self.offset = data, sent
+            self.startWriting()
+        elif self.producer is not None and (not self.streamingProducer or self.producerPaused):
+            self.producerPaused = False  # as doWrite does once the buffer is empty
+            self.producer.resumeProducing()
 
     def fast_write(self: Any, data: bytes) -> bool:
         """Queue ``data`` to be sent at the end of this loop turn, without waiting for
@@ -357,11 +366,12 @@ def _install_direct_io() -> None:
             buffered_write(self, data)
 
     def write_sequence(self: Any, iovec: Any) -> None:
-        parts = list(iovec)
-        if parts and all(type(part) is bytes for part in parts):
-            write(self, b"".join(parts))
-        else:
-            buffered_sequence(self, parts)
+        try:
+            data = b"".join(iovec)
+        except TypeError:  # not all bytes: Twisted's own path says what is wrong
+            buffered_sequence(self, iovec)
+            return
+        write(self, data)
 
     descriptor._relay_flush_due = False
     descriptor.write = write
