@@ -230,8 +230,9 @@ async def test_keys_take_turns_in_the_shared_queue_across_processes(relay_server
                     for n in range(1, 20):
                         calls.append(send(a, flood, f"A{n}"))
                         await queued(n)  # in arrival order
-                    calls += [send(b, late, f"B{n}") for n in range(3)]
-                    await queued(22)
+                    for n in range(3):  # one at a time, so arrival order is tag order
+                        calls.append(send(b, late, f"B{n}"))
+                        await queued(20 + n)
                     await worker.answer(held)
                     order = await dispatch_order(worker, 22)
                     # B's requests wait behind one request of A per freed slot, not 19.
