@@ -25,10 +25,9 @@ import logging
 import time
 from collections.abc import Callable
 
-import httpx
-
 from relay.core.relay import Relay
 from relay.core.state import Completion, Worker
+from relay.server.peerhttp import PeerClient, PeerError, PeerRefused
 from relay.wire import protocol
 
 logger = logging.getLogger("relay.cluster")
@@ -68,10 +67,7 @@ class ProxyPool:
         self.token = token
         self.release = release
         self.unreachable = unreachable
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        self.client = PeerClient()
         self.stand_ins: dict[str, Worker] = {}
 
     def stand_in(self, worker_id: str, owner: str, address: str, provider: str) -> Worker:
@@ -182,41 +178,41 @@ class ProxyLink:
         headers.setdefault("content-type", "application/json")
         answered = False
         try:
-            async with self.pool.client.stream(
-                "POST",
-                self.address + message.endpoint_path,
-                content=message.body.encode(),
-                headers=headers,
-            ) as response:
-                answered = True
-                requeue = response.headers.get(REQUEUE_HEADER)
-                if requeue is not None:
-                    await response.aread()
+            response = await self.pool.client.post(
+                self.address, message.endpoint_path, headers, message.body.encode()
+            )
+            answered = True
+            try:
+                if response.has(REQUEUE_HEADER):
+                    requeue = response.header(REQUEUE_HEADER)
+                    await response.read()
                     relay.on_remote_lost(worker, message.request_id, spend=requeue == "spend")
                     return
-                kept = {k: v for k, v in response.headers.items() if k.lower() not in _OURS}
+                kept = {k: v for k, v in response.headers if k.lower() not in _OURS}
                 streamed = (
                     message.is_streaming
-                    and response.status_code == 200
-                    and (response.headers.get("content-type", "").startswith("text/event-stream"))
+                    and response.status == 200
+                    and response.header("content-type").startswith("text/event-stream")
                 )
                 if not streamed:
-                    body = await response.aread()
-                    completion = Completion(response.status_code, kept, body)
+                    body = await response.read()
+                    completion = Completion(response.status, kept, body)
                     relay.on_remote_complete(worker, message.request_id, completion)
                     return
-                async for data in response.aiter_raw():
+                async for data in response.chunks():
                     if not valve.is_set():
                         await valve.wait()
                     relay.on_remote_bytes(worker, message.request_id, data)
                 relay.on_remote_complete(worker, message.request_id, Completion(200, kept, b""))
+            finally:
+                response.release()
         except asyncio.CancelledError:
             # Cancelled by the core: closing the exchange tells the other process. If it
             # never got the request, nobody else will give its reservation back.
             if not answered:
                 self.pool.release(self.worker_id, request.lease)
             raise
-        except (httpx.HTTPError, OSError) as exc:
+        except (PeerError, OSError) as exc:
             logger.warning(
                 "request %s to worker %s at %s failed: %s",
                 message.request_id,
@@ -224,7 +220,7 @@ class ProxyLink:
                 self.address,
                 exc.__class__.__name__,
             )
-            refused = isinstance(exc, httpx.ConnectError)
+            refused = isinstance(exc, PeerRefused)
             if refused:
                 self.pool.unreachable(worker.owner)
             if not answered:
