@@ -10,13 +10,14 @@ in :attr:`Campaign.res`, which the report turns into tables.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import big_box, peers, scenarios, targets
+from bench import big_box, cluster, limits, peers, scenarios, targets
 from bench.procs import Processes
 from bench.profiler import Profiler, find_py_spy
 from bench.targets import RELAYS, ROOT
@@ -44,6 +45,9 @@ def settings(quick: bool) -> dict[str, Any]:
             "f_rate": 50.0,
             "f_tokens": 300,
             "f_ramp": 1.0,
+            "g_streams": 50,
+            "h_requests": 5_000,
+            "h_rounds": 2,
         }
     return {
         "a_seconds": 10,
@@ -62,6 +66,9 @@ def settings(quick: bool) -> dict[str, Any]:
         "f_rate": 50.0,
         "f_tokens": 600,
         "f_ramp": 1.0,
+        "g_streams": 100,
+        "h_requests": 20_000,
+        "h_rounds": 5,
     }
 
 
@@ -280,6 +287,17 @@ class Campaign:
             for name in relays:
                 self.log(f"{RELAYS[name][0]} one big box:")
                 self.big_box(name, upstream)
+        if "g" in only:
+            self.log("ModelRelay cluster (two processes, Redis):")
+            self.res["cluster"] = cluster.run(
+                self.procs, self.workdir, self.upstream_url, self.upstream_pid, self.s, self.log
+            )
+        if "h" in only:
+            self.log("per-key limits (relay core, in process; Redis admission):")
+            redis_url = "redis://127.0.0.1:6379/0" if cluster.redis_reachable() else None
+            self.res["limits"] = asyncio.run(
+                limits.measure(self.s["h_requests"], self.s["h_rounds"], redis_url)
+            )
         if "e" in only:
             for name in names:
                 if name in RELAYS:

@@ -156,7 +156,10 @@ def fair_queue(n: int, keys: int = 100, backlog: int = 10_000) -> float:
     return _per_request(time.perf_counter() - start, n)
 
 
-async def redis_round_trip(url: str, n: int) -> tuple[float, float]:
+async def redis_round_trip(url: str, n: int) -> tuple[float, float, float]:
+    """Admission against Redis: p50 and p99 in µs, and Redis commands sent per
+    admission (counted at the client, ticket closes excluded: they are batched off
+    the request path)."""
     from relay.server.redislimits import RedisLimitStore
 
     prefix = f"bench-{secrets.token_hex(4)}"
@@ -164,11 +167,23 @@ async def redis_round_trip(url: str, n: int) -> tuple[float, float]:
     limiter = Limiter(store)
     task = asyncio.get_running_loop().create_task(store.run())
     samples = []
+    commands = 0
+    send = store.redis.execute_command
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        nonlocal commands
+        commands += 1
+        return await send(*args, **kwargs)
+
     try:
+        tickets = []
+        store.redis.execute_command = counted  # type: ignore[method-assign]
         for i in range(n):
             start = time.perf_counter()
-            ticket = await limiter.admit(i % 100, LIMITS, "m")
+            tickets.append(await limiter.admit(i % 100, LIMITS, "m"))
             samples.append((time.perf_counter() - start) * 1e6)
+        store.redis.execute_command = send  # type: ignore[method-assign]
+        for ticket in tickets:
             ticket.close(COUNTS)
     finally:
         task.cancel()
@@ -179,7 +194,29 @@ async def redis_round_trip(url: str, n: int) -> tuple[float, float]:
             await cleaner.redis.delete(*keys)
         await cleaner.redis.aclose()
     samples.sort()
-    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)]
+    return samples[len(samples) // 2], samples[int(len(samples) * 0.99)], commands / n
+
+
+async def measure(n: int, rounds: int, redis_url: str | None) -> dict[str, float]:
+    """Every figure above, each the median of ``rounds`` rounds (µs per request)."""
+    admit = [await admission(n) for _ in range(rounds)]
+    bare, keyed = [], []
+    for _ in range(rounds * 2):  # interleaved, so drifting load hits both alike
+        bare.append(await dispatcher(n, with_ticket=False))
+        keyed.append(await dispatcher(n, with_ticket=True))
+    queue = [fair_queue(n) for _ in range(rounds)]
+    out = {
+        "admission_us": statistics.median(admit),
+        "dispatch_bare_us": statistics.median(bare),
+        "dispatch_keyed_us": statistics.median(keyed),
+        "added_us": statistics.median(k - b for k, b in zip(keyed, bare, strict=True)),
+        "fair_queue_us": statistics.median(queue),
+        "load_average": os.getloadavg()[0],
+    }
+    if redis_url:
+        p50, p99, per_request = await redis_round_trip(redis_url, min(n, 5_000))
+        out.update(redis_p50_us=p50, redis_p99_us=p99, redis_commands_per_request=per_request)
+    return out
 
 
 async def main() -> None:
@@ -189,28 +226,20 @@ async def main() -> None:
     parser.add_argument("--redis", help="also measure the admission round trip to this Redis")
     args = parser.parse_args()
 
-    def median(figures: list[float]) -> str:
-        return f"{statistics.median(figures):6.2f} µs"
-
-    rounds = range(args.rounds)
-    admit = [await admission(args.n) for _ in rounds]
-    bare, keyed = [], []
-    for _ in range(args.rounds * 2):  # interleaved, so drifting load hits both alike
-        bare.append(await dispatcher(args.n, with_ticket=False))
-        keyed.append(await dispatcher(args.n, with_ticket=True))
-    queue = [fair_queue(args.n) for _ in rounds]
+    figures = await measure(args.n, args.rounds, args.redis)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load average {load}")
-    print(f"admission (admit + close, every limit set)      {median(admit)} per request")
-    print(f"dispatcher, submit + completion, no key         {median(bare)} per request")
-    print(f"dispatcher, submit + completion, with admission {median(keyed)} per request")
-    added = [k - b for k, b in zip(keyed, bare, strict=True)]
-    print(f"  added by the limits                           {median(added)} per request")
-    print(f"fair queue push + pop_for, 100 keys, 10k queued {median(queue)} per request")
+    print(f"admission (admit + close, every limit set)      {figures['admission_us']:6.2f} µs")
+    print(f"dispatcher, submit + completion, no key         {figures['dispatch_bare_us']:6.2f} µs")
+    print(f"dispatcher, submit + completion, with admission {figures['dispatch_keyed_us']:6.2f} µs")
+    print(f"  added by the limits                           {figures['added_us']:6.2f} µs")
+    print(f"fair queue push + pop_for, 100 keys, 10k queued {figures['fair_queue_us']:6.2f} µs")
     if args.redis:
-        p50, p99 = await redis_round_trip(args.redis, min(args.n, 5_000))
-        print(f"Redis admission round trip                      {p50:6.1f} µs p50", end="")
-        print(f", {p99:.1f} µs p99")
+        print(
+            f"Redis admission round trip                      {figures['redis_p50_us']:6.1f} µs "
+            f"p50, {figures['redis_p99_us']:.1f} µs p99, "
+            f"{figures['redis_commands_per_request']:.3f} commands per request"
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="ModelRelay benchmarks against its peers.")
     p.add_argument("--quick", action="store_true", help="reduced pass (~2.5 min)")
     p.add_argument(
-        "--only", default="", help="scenarios to run: a,b,c,d,e,f (d = a + c; f = one big box)"
+        "--only",
+        default="",
+        help="scenarios to run: a,b,c,d,e,f,g,h (d = a + c; f = one big box; "
+        "g = two processes through Redis; h = per-key limits)",
     )
     p.add_argument(
         "--targets", default=",".join(ALL_TARGETS), help="comma list of " + ",".join(ALL_TARGETS)
@@ -82,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args(argv)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdef")
-    if not only <= set("abcdef"):
-        p.error("--only takes a, b, c, d, e, f")
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefgh")
+    if not only <= set("abcdefgh"):
+        p.error("--only takes a, b, c, d, e, f, g, h")
     if "d" in only:
         only |= {"a", "c"}
     names = [n.strip().lower() for n in args.targets.split(",") if n.strip()]

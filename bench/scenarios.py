@@ -95,7 +95,12 @@ def run_wrk(url: str, connections: int, seconds: int, script: Path) -> dict[str,
     argv = [WRK, "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s"]
     argv += ["-s", str(script), url + "/v1/chat/completions"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 60).stdout
-    result: dict[str, Any] = {"wrk": " ".join(argv[:-1])}
+    return {"wrk": " ".join(argv[:-1]), **parse_wrk(out)}
+
+
+def parse_wrk(out: str) -> dict[str, Any]:
+    """Latency percentiles, requests, req/s and errors from ``wrk --latency`` output."""
+    result: dict[str, Any] = {}
     for pct in ("50", "99"):
         match = re.search(rf"^\s+{pct}%\s+(\S+)", out, re.M)
         result[f"p{pct}_ms"] = _wrk_ms(match.group(1)) if match else float("nan")

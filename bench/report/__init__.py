@@ -4,6 +4,7 @@
 - :mod:`bench.report.goals`: the performance targets, met or not;
 - :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
 - :mod:`bench.report.sections`: (a) to (f);
+- :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
 - :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import goals, ratios, sections
+from bench.report import cluster, goals, ratios, sections
 
 LEGEND = (
     "CPU columns are shares of one core over the measured window, from `/proc/<pid>/stat`: "
@@ -35,5 +36,7 @@ def tables(res: dict[str, Any]) -> str:
         sections.cpu(res),
         sections.memory(res),
         sections.big_box(res),
+        cluster.cluster(res),
+        cluster.limits(res),
     ]
     return "\n".join(line for part in parts for line in part)

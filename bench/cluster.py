@@ -1,0 +1,175 @@
+"""(g) Cluster mode: two server processes sharing Redis, against one process.
+
+Two ``manage.py serve`` processes (daphne) share a Redis prefix, a pepper and a
+database; two ``worker.py`` are connected to process A only. The same loads as (a),
+(b) and (c) are sent to A (*same process*: client and worker on one process) and to B
+(*cross process*: B places each request on A's worker through Redis and relays it
+over A's internal link), in the same run. Server CPU is the two processes' together.
+
+Then *scaling*: two more workers join process B, and the non-streaming load is split
+over A and B (two wrk runs of 16 connections at once), against the same load on A
+alone. On a 2-core machine the load generator, the workers and the fake upstream
+share the cores with the servers; their CPU is measured and reported beside the
+ratio rather than assumed away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench import scenarios
+from bench.procs import Processes
+from bench.scenarios import Window
+from bench.targets import MODEL, Target, start_server, start_workers, wait_workers
+
+REDIS = ("127.0.0.1", 6379)
+
+
+def redis_reachable() -> bool:
+    try:
+        with socket.create_connection(REDIS, timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _serves_model(url: str) -> bool:
+    with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+        return any(m.get("id") == MODEL for m in json.loads(resp.read()).get("data", []))
+
+
+def _wait(check: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"cluster bench: {what} not reached in {timeout:.0f} s")
+
+
+def _forget(prefix: str) -> None:
+    """Delete the run's keys in Redis (the servers are stopped by then)."""
+    import redis
+
+    client = redis.Redis(*REDIS)
+    try:
+        stale = list(client.scan_iter(match=f"{prefix}:*"))
+        if stale:
+            client.delete(*stale)
+    finally:
+        client.close()
+
+
+def run(
+    procs: Processes,
+    workdir: Path,
+    upstream_url: str,
+    upstream_pid: int,
+    s: dict[str, Any],
+    log: Any,
+) -> dict[str, Any]:
+    if not redis_reachable():
+        return {"skipped": "Redis is not reachable at 127.0.0.1:6379"}
+    prefix = f"bench-{secrets.token_hex(4)}"
+    env = {
+        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_PREFIX": prefix,
+        "MODELRELAY_SECRET_PEPPER": secrets.token_urlsafe(32),
+        "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
+    }
+    started = []
+    try:
+        a, a_url = start_server(procs, workdir, "cluster-a", None, "daphne", **env)
+        started.append(a)
+        shared = {**env, "DATABASE_URL": f"sqlite:///{workdir / 'data-cluster-a' / 'db.sqlite3'}"}
+        b, b_url = start_server(procs, workdir, "cluster-b", None, "daphne", **shared)
+        started.append(b)
+        on_a = start_workers(procs, a_url, upstream_url, 2, "cluster-a")
+        started += on_a
+        wait_workers(a_url, 2, a, timeout=60)
+        _wait(lambda: _serves_model(b_url), "process B learning A's workers")
+        servers = [a.pid, b.pid]
+        workers = [w.pid for w in on_a]
+
+        def target(url: str, label: str, workers: list[int]) -> Target:
+            t = Target(label, int(url.rsplit(":", 1)[1]))
+            t.cpu_pids = {"server": servers, "workers": workers}
+            return t
+
+        same = target(a_url, "same process", workers)
+        cross = target(b_url, "cross process", workers)
+        res: dict[str, Any] = {"direct": {}, "same": {}, "cross": {}}
+        log("  (g) one request in flight: direct, same process, cross process")
+        direct = Target("direct", int(upstream_url.rsplit(":", 1)[1]))
+        res["direct"]["b"] = scenarios.one_in_flight(direct, upstream_pid, s["b_count"])
+        for key, t in (("same", same), ("cross", cross)):
+            res[key]["b"] = scenarios.one_in_flight(t, upstream_pid, s["b_count"])
+            res[key]["a"] = scenarios.throughput(
+                t, upstream_pid, workdir, s["a_seconds"], s["warmup"]
+            )
+            res[key]["c"] = scenarios.streaming(
+                t, upstream_pid, s["g_streams"], s["c_tokens"], s["c_ramp"]
+            )
+            r = res[key]
+            log(
+                f"  (g) {t.name:14} {r['a']['rps']:,.0f} req/s; one in flight p50 "
+                f"{r['b']['p50_ms']:.3f} ms; {r['c']['streams']} streams intact "
+                f"{r['c']['intact']}/{r['c']['streams']}"
+            )
+
+        # Scaling: workers on both processes, the load split over both.
+        on_b = start_workers(procs, b_url, upstream_url, 2, "cluster-b")
+        started += on_b
+        wait_workers(b_url, 2, b, timeout=60)
+        both = Target("two processes", 0)
+        both.cpu_pids = {"server": servers, "workers": workers + [w.pid for w in on_b]}
+        res["two"] = _split_throughput(both, [a_url, b_url], upstream_pid, workdir, s)
+        log(f"  (g) two processes: {res['two']['rps']:,.0f} req/s")
+        return res
+    finally:
+        for proc in reversed(started):
+            procs.stop(proc)
+        _forget(prefix)
+
+
+def _split_throughput(
+    target: Target, urls: list[str], upstream_pid: int, workdir: Path, s: dict[str, Any]
+) -> dict[str, Any]:
+    """wrk with 16 connections against each URL at once (32 in all, as in (a))."""
+    script = workdir / "post.lua"
+    script.write_text(scenarios.WRK_SCRIPT)
+    seconds = s["a_seconds"]
+
+    def wrk(url: str, secs: int) -> subprocess.Popen[str]:
+        argv = [scenarios.WRK, "-t1", "-c16", f"-d{secs}s", "--latency", "--timeout", "10s"]
+        argv += ["-s", str(script)]
+        return subprocess.Popen(
+            [*argv, url + "/v1/chat/completions"], stdout=subprocess.PIPE, text=True
+        )
+
+    if s["warmup"]:
+        for p in [wrk(u, s["warmup"]) for u in urls]:
+            p.communicate(timeout=s["warmup"] + 60)
+    with Window(target, upstream_pid) as window:
+        runs = [wrk(u, seconds) for u in urls]
+        outs = [p.communicate(timeout=seconds + 60)[0] for p in runs]
+    parsed = [scenarios.parse_wrk(out) for out in outs]
+    return {
+        "rps": sum(p["rps"] for p in parsed),
+        "requests": sum(p["requests"] for p in parsed),
+        "errors": sum(p["errors"] for p in parsed),
+        "cpu": window.cpu(),
+        "wall": round(window.wall, 3),
+        "cores": os.cpu_count() or 1,
+    }
