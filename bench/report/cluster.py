@@ -70,6 +70,7 @@ def cluster(res: dict[str, Any]) -> list[str]:
         ],
     ]
     cores = two["cores"]
+    same_cost = num(per(same["a"], "server", "requests"), 0)
     split = ", ".join(
         f"{name} {share(two, (key,)) / 100:.2f}"
         for name, key in (
@@ -111,10 +112,10 @@ def cluster(res: dict[str, Any]) -> list[str]:
         f"Scaling: with two more `worker.py` connected to B, 16 connections of wrk against "
         f"each process at once served {two_rps:,.0f} req/s ({two['errors']} errors) against "
         f"{one_rps:,.0f} req/s with 32 connections against A alone. Everything shares this "
-        f"machine's {cores} cores; CPU during the two-process run, in cores: {split}. With "
-        "the load generator, four workers and the upstream on the same cores as the "
-        "servers, the servers cannot have a core each, so this ratio is a floor for "
-        "machines where they do, not a measure of it.",
+        f"machine's {cores} cores; CPU during the two-process run, in cores: {split}. The "
+        "servers could not have a core each here, and in cluster mode every request also "
+        f"costs them the placement's Redis round trips ({same_cost} µs per request "
+        "same-process above, against (d)'s one process without Redis).",
         "",
     ]
 
