@@ -78,22 +78,12 @@ class PeerResponse:
                         while (await reader.readuntil(b"\r\n")) != b"\r\n":
                             pass  # trailers
                         break
-                    left = size
-                    while left:
-                        data = await reader.read(min(left, 65536))
-                        if not data:
-                            raise PeerError("connection ended inside a chunk")
-                        left -= len(data)
+                    async for data in _exactly(reader, size, "a chunk"):
                         yield data
                     if await reader.readexactly(2) != b"\r\n":
                         raise PeerError("bad chunk framing")
             elif self._length is not None:
-                left = self._length
-                while left:
-                    data = await reader.read(min(left, 65536))
-                    if not data:
-                        raise PeerError("connection ended inside the body")
-                    left -= len(data)
+                async for data in _exactly(reader, self._length, "the body"):
                     yield data
             else:
                 self._reusable = False
@@ -115,6 +105,17 @@ class PeerResponse:
             self._client._idle(self._address, self._conn)
         else:
             self._conn.close()
+
+
+async def _exactly(reader: asyncio.StreamReader, size: int, what: str) -> AsyncIterator[bytes]:
+    """``size`` bytes from ``reader`` as they arrive."""
+    left = size
+    while left:
+        data = await reader.read(min(left, 65536))
+        if not data:
+            raise PeerError(f"connection ended inside {what}")
+        left -= len(data)
+        yield data
 
 
 class PeerClient:
