@@ -55,6 +55,7 @@ local now, lease, lease_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local origin, deadline = ARGV[7], tonumber(ARGV[8])
 local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local lane, weight = ARGV[12], tonumber(ARGV[13])
+local own_lease_ms = tonumber(ARGV[14])
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties = nil, {}
 for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
@@ -82,8 +83,11 @@ if #ties > 0 then
   table.sort(ties)
   local turn = redis.call('INCR', P .. ':rr:' .. provider)
   local wid = ties[(turn % #ties) + 1]
-  redis.call('ZADD', P .. ':l:' .. wid, now + lease_ms, lease)
   local proc = redis.call('HGET', P .. ':w:' .. wid, 'proc')
+  if proc == origin then  -- the request is there already: held until its deadline
+    lease_ms = own_lease_ms
+  end
+  redis.call('ZADD', P .. ':l:' .. wid, now + lease_ms, lease)
   return {'placed', wid, proc, redis.call('GET', P .. ':proc:' .. proc) or '', seq}
 end
 local queue = P .. ':q:' .. provider
@@ -268,6 +272,7 @@ class ClusterState:
         origin: str,
         now_ms: int,
         deadline_ms: int,
+        hold_ms: int,
         seq: int,
         max_queue: int,
         plain: bool = True,
@@ -278,8 +283,11 @@ class ClusterState:
         ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
 
         Returns ``("placed", where, seq)``, ``("queued", None, seq)`` or
-        ``("full", None, seq)``; ``seq`` is the request's place in the global arrival
-        order (give it back when the request is placed again, to keep its place).
+        ``("full", None, seq)``. A slot on a worker of ``origin`` itself is held for
+        ``hold_ms`` at once (nothing has to travel, so nothing has to be extended); one
+        elsewhere for PENDING_LEASE_MS until the request arrives. ``seq`` is the
+        request's place in the global arrival order (give it back when the request is
+        placed again, to keep its place).
         """
         reply = await self._place(
             args=[
@@ -296,6 +304,7 @@ class ClusterState:
                 "1" if plain else "0",
                 lane,
                 weight,
+                hold_ms,
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])

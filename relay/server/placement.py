@@ -111,14 +111,15 @@ class RedisPlacement:
             return
         policy = self.relay.providers.get(request.provider)
         requeued = entry in self._order
+        now = self.relay.loop.time()
         kind, placed, order = await self.state.place(
             provider=request.provider,
             model=request.model,
             entry=entry,
             origin=self.instance,
             now_ms=_now_ms(),
-            deadline_ms=_now_ms()
-            + int(max(0.0, request.queue_deadline - self.relay.loop.time()) * 1000),
+            deadline_ms=_now_ms() + int(max(0.0, request.queue_deadline - now) * 1000),
+            hold_ms=int(max(0.0, request.deadline - now) * 1000) + LEASE_MARGIN_MS,
             seq=self._order.get(entry, 0),
             max_queue=-1 if requeued or policy is None else policy.policy.max_queue_len,
             plain=refusal(request) is None,
@@ -129,15 +130,18 @@ class RedisPlacement:
         logger.debug("placing %s: %s %s (order %d)", entry, kind, placed, order)
         if kind == "placed":
             assert placed is not None
-            self._take(entry, placed)
+            self._take(entry, placed, held=True)
         elif kind == "full":
             self.waiting.pop(entry, None)
             self._order.pop(entry, None)
             logger.warning("queue full: provider=%s model=%s", request.provider, request.model)
             self.relay.fail_waiting(request, QueueFull())
 
-    def _take(self, entry: str, placed: Placed) -> None:
-        """A slot was reserved (under ``entry``) for one of our requests: use it."""
+    def _take(self, entry: str, placed: Placed, held: bool = False) -> None:
+        """A slot was reserved (under ``entry``) for one of our requests: use it.
+
+        ``held``: the reservation already lasts until the request's deadline (``place``
+        does that for a worker of this process); otherwise it is extended here."""
         request = self.waiting.pop(entry, None)
         if request is None or request.phase is not Phase.QUEUED:
             self._spawn(self._release(placed.worker_id, entry))
@@ -151,7 +155,8 @@ class RedisPlacement:
                 return
             request.lease = entry
             self.relay.assign_to(request, worker)
-            self._spawn(self._extend(placed.worker_id, entry, request))
+            if not held:
+                self._spawn(self._extend(placed.worker_id, entry, request))
             return
         stand_in = self.proxies.stand_in(
             placed.worker_id, placed.owner, placed.address, request.provider

@@ -295,6 +295,91 @@ async def test_a_client_leaving_on_one_process_frees_the_slot_on_another(relay_s
                 assert (await queued).text == "second"
 
 
+async def test_a_slot_on_a_local_worker_is_held_to_the_deadline_in_one_step(
+    relay_server_factory,
+):
+    """Placing on a worker of the receiving process reserves the slot until the
+    request's deadline in the placing script itself (no extension round trip); a slot
+    on another process's worker is extended there when the request arrives."""
+    import hashlib
+
+    import redis.asyncio as aioredis
+
+    from relay.server import clusterstate
+
+    names = {
+        hashlib.sha1(source.encode()).hexdigest(): name
+        for name, source in (
+            ("place", clusterstate._PLACE),
+            ("release", clusterstate._RELEASE),
+            ("extend", clusterstate._EXTEND),
+        )
+    }
+    with cluster(relay_server_factory, 2, REQUEST_TIMEOUT_SECS="120") as (a, b):
+        prefix = a.env["REDIS_PREFIX"]
+        async with await connect(a) as ws:
+            await register(ws, models=["m"], max_concurrent=2)
+            await knows(b, "m")
+            r = aioredis.Redis(host="127.0.0.1", port=6379)
+            scripts: list[tuple[str, str]] = []  # (script, its arguments)
+
+            async def watch(ready: asyncio.Event) -> None:
+                async with r.monitor() as monitor:
+                    ready.set()
+                    async for command in monitor.listen():
+                        words = command["command"].split(" ")
+                        if words[0] == "EVALSHA" and prefix in command["command"]:
+                            name = names.get(words[1].strip('"'), words[1])
+                            scripts.append((name, command["command"]))
+
+            ready = asyncio.Event()
+            watcher = asyncio.ensure_future(watch(ready))
+            try:
+                await ready.wait()
+                async with httpx.AsyncClient(timeout=30) as client:
+                    local = asyncio.ensure_future(client.post(a.url + CHAT, json={"model": "m"}))
+                    first = await expect(ws, protocol.Request)
+                    keys = [k async for k in r.scan_iter(match=f"{prefix}:l:*")]
+                    assert len(keys) == 1, keys
+                    leases_key = keys[0]
+                    now = await r.time()
+                    now_ms = now[0] * 1000 + now[1] // 1000
+
+                    async def expiries() -> list[float]:
+                        held: Any = await r.zrange(leases_key, 0, -1, withscores=True)
+                        return [float(score) for _, score in held]
+
+                    # held to the deadline (120 s) and a margin, from the placement on
+                    assert [e > now_ms + 100_000 for e in await expiries()] == [True]
+
+                    def about_first() -> list[str]:
+                        return [name for name, args in scripts if first.request_id in args]
+
+                    assert about_first() == ["place"], scripts
+                    await ws.send(answer(first.request_id))
+                    assert (await local).text == "ok"
+                    await until(lambda: _equal(about_first(), ["place", "release"]))
+
+                    remote = asyncio.ensure_future(client.post(b.url + CHAT, json={"model": "m"}))
+                    second = await expect(ws, protocol.Request)
+
+                    async def extended() -> bool:
+                        return [e > now_ms + 100_000 for e in await expiries()] == [True]
+
+                    await until(extended, what="the cross-process slot extended on arrival")
+                    await ws.send(answer(second.request_id, "two"))
+                    assert (await remote).text == "two"
+            finally:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
+                await r.aclose()
+
+
+async def _equal(seen: list[str], expected: list[str]) -> bool:
+    assert seen == expected[: len(seen)], seen
+    return seen == expected
+
+
 async def _read_one_then_leave(
     client: httpx.AsyncClient, url: str, body: dict[str, Any], hang_up: asyncio.Event
 ) -> None:
