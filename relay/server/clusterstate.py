@@ -43,6 +43,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from relay.server.leanredis import LeanRedis, Script
+
 #: A process that has not refreshed its keys for this long is gone.
 PROC_TTL_MS = 5000
 #: A reservation whose request has not reached its worker's process within this long
@@ -250,13 +252,16 @@ class Placed:
 
 
 class ClusterState:
-    def __init__(self, redis: aioredis.Redis, prefix: str) -> None:
+    def __init__(self, redis: aioredis.Redis, prefix: str, lean: LeanRedis | None = None) -> None:
+        """``lean``: run the per-request scripts through it (:mod:`relay.server.leanredis`);
+        membership and the rest go through ``redis``."""
         self.redis = redis
         self.prefix = prefix
-        self._place = redis.register_script(_PLACE)
-        self._release = redis.register_script(_RELEASE)
-        self._extend = redis.register_script(_EXTEND)
-        self._withdraw = redis.register_script(_WITHDRAW)
+        scripts: Any = (lambda source: Script(lean, source)) if lean else redis.register_script
+        self._place = scripts(_PLACE)
+        self._release = scripts(_RELEASE)
+        self._extend = scripts(_EXTEND)
+        self._withdraw = scripts(_WITHDRAW)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))

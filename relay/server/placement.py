@@ -35,6 +35,7 @@ from relay.core.legacy.tasks import refusal
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.clusterstate import ClusterState, Placed, lane_of
+from relay.server.leanredis import lean_client
 from relay.server.proxy import ProxyPool
 from relay.wire.errors import QueueFull
 
@@ -55,7 +56,9 @@ class RedisPlacement:
         self.relay = relay
         self.instance = relay.instance
         self.redis = aioredis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
-        self.state = ClusterState(self.redis, prefix)
+        #: The per-request scripts' own connection (None: they use ``self.redis``).
+        self.lean = lean_client(redis_url)
+        self.state = ClusterState(self.redis, prefix, self.lean)
         self.proxies = ProxyPool(relay, token, self._release_unsent, self._unreachable)
         #: Where the other processes reach this one (set once the server listens).
         self.address: str | None = None
@@ -300,6 +303,8 @@ class RedisPlacement:
             except Exception:
                 pass
             await self.proxies.aclose()
+            if self.lean is not None:
+                await self.lean.aclose()
             await self.redis.aclose()
 
     def listening(self, address: str) -> None:

@@ -42,6 +42,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.core.limits import DAY, KeyLimits, Limit, LimitStoreUnavailable, Periods, Refusal
+from relay.server.leanredis import Script, lean_client
 
 logger = logging.getLogger("relay.limits")
 
@@ -161,7 +162,9 @@ class RedisLimitStore:
         self.prefix = f"{prefix}:limits"
         self.instance = instance
         self.lease_ms = max(1, int(lease_secs * 1000))
-        self._admit = self.redis.register_script(ADMIT)
+        #: Admission is on the request path: through the lean client where it applies.
+        self.lean = lean_client(url, REDIS_TIMEOUT_SECS)
+        self._admit = Script(self.lean, ADMIT) if self.lean else self.redis.register_script(ADMIT)
         self._finish = self.redis.register_script(FINISH)
         self._beat = self.redis.register_script(BEAT)
         #: Slots this process holds per key: the truth the heartbeat re-asserts.
@@ -293,6 +296,8 @@ class RedisLimitStore:
         except (*_FAILURES, asyncio.CancelledError):
             logger.warning("could not leave the limit store cleanly", exc_info=True)
         finally:
+            if self.lean is not None:
+                await self.lean.aclose()
             await self.redis.aclose()
             if task is not None and cancels:
                 task.cancel()  # still on its way out: the caller's cancel stands
