@@ -279,9 +279,10 @@ async def _keys_flow(server: LiveServer, browser: Any) -> None:
                     client.post("/v1/chat/completions", json=body, headers=auth)
                 )
 
-            calls = [post(lab), post(team), post(team)]
+            calls = [post(lab)]  # lab's reaches the worker first, then team's queue
             async with asyncio.timeout(5):
                 first = await box.held.get()
+            calls += [post(team), post(team)]
             refused = await client.post(
                 "/v1/chat/completions",
                 json=body,
