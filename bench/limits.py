@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -168,21 +169,30 @@ async def redis_round_trip(url: str, n: int) -> tuple[float, float, float]:
     task = asyncio.get_running_loop().create_task(store.run())
     samples = []
     commands = 0
-    send = store.redis.execute_command
+    # Both clients: redis-py, and the lean one the admission script runs on.
+    clients: list[tuple[Any, str]] = [(store.redis, "execute_command")]
+    if store.lean is not None:
+        clients.append((store.lean, "execute"))
+    originals = [getattr(client, name) for client, name in clients]
 
-    async def counted(*args: object, **kwargs: object) -> object:
-        nonlocal commands
-        commands += 1
-        return await send(*args, **kwargs)
+    def counting(send: Any) -> Any:
+        async def counted(*args: object, **kwargs: object) -> object:
+            nonlocal commands
+            commands += 1
+            return await send(*args, **kwargs)
+
+        return counted
 
     try:
         tickets = []
-        store.redis.execute_command = counted  # type: ignore[method-assign]
+        for (client, name), send in zip(clients, originals, strict=True):
+            setattr(client, name, counting(send))
         for i in range(n):
             start = time.perf_counter()
             tickets.append(await limiter.admit(i % 100, LIMITS, "m"))
             samples.append((time.perf_counter() - start) * 1e6)
-        store.redis.execute_command = send  # type: ignore[method-assign]
+        for (client, name), send in zip(clients, originals, strict=True):
+            setattr(client, name, send)
         for ticket in tickets:
             ticket.close(COUNTS)
     finally:
