@@ -70,6 +70,36 @@ def goals(res: dict[str, Any], relay: str = DEFAULT) -> list[Goal]:
         f"{per_req:.0f} µs" if per_req is not None else None,
         per_req <= 500 if per_req is not None else None,
     )
+    # Throughput per core at vLLM scale: tighter bounds, lower again under uvicorn.
+    daphne = relay == DEFAULT
+    chunk_max, req_max = (70, 300) if daphne else (50, 200)
+    add(
+        "server CPU per relayed chunk (K=250) ≤ 70 µs under daphne, ≤ 50 µs under uvicorn",
+        f"{per_chunk:.0f} µs" if per_chunk is not None else None,
+        per_chunk <= chunk_max if per_chunk is not None else None,
+    )
+    add(
+        "server CPU per non-streaming request ≤ 300 µs under daphne, ≤ 200 µs under uvicorn",
+        f"{per_req:.0f} µs" if per_req is not None else None,
+        per_req <= req_max if per_req is not None else None,
+    )
+    add(
+        "added p50 latency at one in flight ≤ 1.0 ms over direct",
+        f"{added:.3f} ms" if added is not None else None,
+        added <= 1.0 if added is not None else None,
+    )
+    worker_chunk = per(s250, "workers", "chunks")
+    add(
+        "worker.py CPU ≤ 40 µs per relayed chunk (K=250)",
+        f"{worker_chunk:.0f} µs" if worker_chunk is not None else None,
+        worker_chunk <= 40 if worker_chunk is not None else None,
+    )
+    worker_req = per(a.get(relay), "workers", "requests")
+    add(
+        "worker.py CPU ≤ 300 µs per non-streaming request",
+        f"{worker_req:.0f} µs" if worker_req is not None else None,
+        worker_req <= 300 if worker_req is not None else None,
+    )
     mem = e.get(relay) or {}
     q = mem.get("queued")
     add(
