@@ -37,7 +37,8 @@ every streamed chunk. Whatever the socket does not take is buffered the usual wa
 (and a broken connection is left for Twisted's own write path to report). And
 readiness callbacks call the reactor directly, without Twisted's legacy log context
 around each one (a dictionary copy and a context push per event), which nothing
-here reads; a failure is still logged.
+here reads; a failure is still logged. A finished HTTP request's entry in daphne's
+connection table goes at once instead of at the next once-a-second sweep.
 
 Installed only when daphne is the server in this process.
 """
@@ -66,6 +67,7 @@ def install() -> None:
         self._parsePOSTFormSubmission = False
 
     WebRequest.__init__ = request_init
+    _install_prompt_reaping()
     _install_backpressure()
     _install_header_limits()
     _install_direct_io()
@@ -94,6 +96,53 @@ def install() -> None:
     WebSocketFactory.setProtocolOptions = set_protocol_options
     WebSocketProtocol._relay_close_frames = True
     _install_lean_frames(WebSocketProtocol)
+
+
+def _install_prompt_reaping() -> None:
+    """Forget a finished request's connection entry at once, not on the next sweep.
+
+    daphne keeps an entry per HTTP request (keep-alive requests included) in
+    ``Server.connections`` until ``application_checker``, once a second, sees both
+    its application finished and its protocol gone. Under load that is thousands of
+    finished requests (their Twisted request objects, headers and application
+    futures) kept alive and walked every second. Here an entry whose application
+    ended cleanly is dropped the moment the second of the two happens; the
+    sweep still handles everything else as before (applications that raised, were
+    cancelled, or outlive their client).
+    """
+    from daphne.server import Server
+
+    if getattr(Server, "_relay_prompt_reaping", False):
+        return
+    original_create = Server.create_application
+    original_disconnected = Server.protocol_disconnected
+
+    def reap(server: Any, protocol: Any) -> None:
+        details = server.connections.get(protocol)
+        if details is None or "disconnected" not in details:
+            return
+        instance = details.get("application_instance")
+        if instance is None or not instance.done() or instance.cancelled():
+            return
+        if instance.exception() is None:
+            del server.connections[protocol]
+
+    def create_application(self: Any, protocol: Any, scope: Any) -> Any:
+        queue = original_create(self, protocol, scope)
+        details = self.connections.get(protocol)
+        if queue is not None and details is not None:
+            instance = details["application_instance"]
+            instance.add_done_callback(lambda _: reap(self, protocol))
+        return queue
+
+    def protocol_disconnected(self: Any, protocol: Any) -> None:
+        if protocol in self.connections:  # a second call for a reaped entry is a no-op
+            original_disconnected(self, protocol)
+            reap(self, protocol)
+
+    Server.create_application = create_application
+    Server.protocol_disconnected = protocol_disconnected
+    Server._relay_prompt_reaping = True
 
 
 class _Waker:

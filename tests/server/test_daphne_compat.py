@@ -27,3 +27,70 @@ def test_the_small_masker_agrees_with_autobahns_own():
     mask = os.urandom(4)
     payload = os.urandom(700)
     assert _SmallMasker(mask).process(payload) == create_xor_masker(mask, 700).process(payload)
+
+
+# daphne's Server, its real create_application / protocol_disconnected / checker, with
+# the shim installed; in a fresh interpreter, since importing daphne.server installs
+# Twisted's asyncio reactor.
+_REAPING = r"""
+import asyncio, json, logging
+import daphne.server
+from daphne.server import Server
+from modelrelay_site import daphne_compat
+
+daphne_compat.install()
+logging.disable(logging.CRITICAL)
+
+
+async def ok(scope, receive, send):
+    await receive()
+
+
+async def fails(scope, receive, send):
+    await receive()
+    raise RuntimeError("boom")
+
+
+async def main():
+    out = {}
+    for name, app, disconnect_first in [
+        ("ok, client gone first", ok, True),
+        ("ok, app done first", ok, False),
+        ("raised", fails, True),
+    ]:
+        server = Server(app, endpoints=["tcp:port=0:interface=127.0.0.1"], signal_handlers=False)
+        server.connections = {}  # as Server.run() sets it up
+        protocol = object()
+        server.protocol_connected(protocol)
+        queue = server.create_application(protocol, {"type": "http"})
+        if disconnect_first:
+            server.protocol_disconnected(protocol)
+        await queue.put({"type": "http.request"})
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        if not disconnect_first:
+            server.protocol_disconnected(protocol)
+        server.protocol_disconnected(protocol)  # a second call is harmless
+        out[name] = protocol in server.connections
+    print(json.dumps(out))
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_finished_request_leaves_daphnes_connection_table_at_once():
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", _REAPING], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    still_held = json.loads(result.stdout.strip().splitlines()[-1])
+    # Clean endings are forgotten whichever of the two ends came last ...
+    assert still_held["ok, client gone first"] is False
+    assert still_held["ok, app done first"] is False
+    # ... and an application that raised stays for daphne's sweep, which logs it.
+    assert still_held["raised"] is True
