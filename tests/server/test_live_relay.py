@@ -111,6 +111,31 @@ async def test_streaming_is_flushed_chunk_by_chunk_and_disconnect_cancels(relay_
             assert health["workers_connected"] == 1
 
 
+async def test_a_burst_of_frames_reaches_the_client_whole_and_in_order(relay_server):
+    """Frames that arrive together (one read holds many) are handled as they are read
+    or through the consumer's queue; either way nothing is lost or reordered."""
+    async with await connect(relay_server) as ws:
+        await register(ws)
+        async with httpx.AsyncClient(base_url=relay_server.url, timeout=10) as client:
+            body = {"model": "m", "stream": True}
+            reply = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+            request = await expect(ws, protocol.Request)
+            sent = []
+            for n in range(300):
+                text = f'data: {{"n":{n}}}\n\n'
+                sent.append(text)
+                await ws.send(protocol.encode(protocol.ResponseChunk(request.request_id, text)))
+                if n % 100 == 50:  # other frames in between
+                    await ws.send(protocol.encode(protocol.Pong(current_load=1)))
+            done = protocol.ResponseComplete(request_id=request.request_id, status_code=200)
+            await ws.send(protocol.encode(done))
+            response = await reply
+            assert response.status_code == 200
+            assert response.text == "".join(sent)
+            workers = (await client.get("/health")).json()
+            assert workers["workers_connected"] == 1
+
+
 async def test_sigterm_finishes_in_flight_work_then_closes_workers_1012(relay_server):
     async with await connect(relay_server) as ws:
         await register(ws)
