@@ -549,3 +549,14 @@ def _install_lean_frames(protocol_class: Any) -> None:
         self._dataReceived(data)
 
     protocol_class.dataReceived = data_received
+    original_send = protocol_class.sendData
+
+    def send_data(self: Any, data: bytes, sync: bool = False, chopsize: int | None = None) -> None:
+        # Likewise for every frame sent, when nothing is queued or chopped.
+        if sync or chopsize or self.send_queue or self.logOctets or self.state != self.STATE_OPEN:
+            original_send(self, data, sync, chopsize)
+            return
+        self.transport.write(data)
+        self.trafficStats.outgoingOctetsWireLevel += len(data)
+
+    protocol_class.sendData = send_data
