@@ -42,7 +42,7 @@ PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tes
 	tests/server/test_cluster.py tests/test_e2e.py tests/pages/test_pages.py \
 	tests/server/test_failures.py tests/server/test_security.py \
 	tests/server/test_security_edges.py tests/server/test_worker_trust.py \
-	tests/server/test_cluster_routing.py \
+	tests/server/test_cluster_routing.py tests/server/test_bookkeeper.py \
 	tests/server/test_fair_share.py tests/server/test_live_limits.py \
 	tests/server/test_cluster_limits.py
 

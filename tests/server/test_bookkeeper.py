@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import threading
 
+import pytest
+
 from relay.core.keycache import KeyCache
-from relay.server.bookkeeper import Bookkeeper
+from relay.core.stats import RequestRecord
+from relay.server.bookkeeper import Bookkeeper, write_request_log
 
 
 async def test_stopping_the_bookkeeper_never_blocks_the_event_loop():
@@ -24,3 +28,37 @@ async def test_stopping_the_bookkeeper_never_blocks_the_event_loop():
     release.set()
     await asyncio.wait_for(asyncio.gather(task, busy, return_exceptions=True), 5)
     assert task.cancelled()
+
+
+@pytest.mark.django_db
+def test_a_logged_request_keeps_its_exact_time_in_the_database():
+    from workers_app.models import RequestLog
+
+    stamps = [1_790_000_000.123456, 1_700_000_000.0, 1_800_000_000.999999]
+    write_request_log(
+        [
+            RequestRecord(
+                request_id=f"req-{n}",
+                key_id=None,
+                provider="local",
+                model="m",
+                endpoint="chat",
+                worker_id=None,
+                worker_name=None,
+                status=200,
+                outcome="ok",
+                streamed=False,
+                queue_wait=0.0,
+                ttfb=None,
+                duration=0.01,
+                prompt_tokens=None,
+                completion_tokens=None,
+                requeues=0,
+                created_at=stamp,
+            )
+            for n, stamp in enumerate(stamps)
+        ]
+    )
+    for n, stamp in enumerate(stamps):
+        row = RequestLog.objects.get(request_id=f"req-{n}")
+        assert row.created_at == dt.datetime.fromtimestamp(stamp, dt.UTC)
