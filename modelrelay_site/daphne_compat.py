@@ -129,9 +129,8 @@ def _install_prompt_reaping() -> None:
 
     def create_application(self: Any, protocol: Any, scope: Any) -> Any:
         queue = original_create(self, protocol, scope)
-        details = self.connections.get(protocol)
-        if queue is not None and details is not None:
-            instance = details["application_instance"]
+        if queue is not None:  # None: the client left before the application started
+            instance = self.connections[protocol]["application_instance"]
             instance.add_done_callback(lambda _: reap(self, protocol))
         return queue
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import threading
 
@@ -35,27 +36,12 @@ def test_a_logged_request_keeps_its_exact_time_in_the_database():
     from workers_app.models import RequestLog
 
     stamps = [1_790_000_000.123456, 1_700_000_000.0, 1_800_000_000.999999]
+    template = RequestRecord.rejected(
+        status=200, outcome="ok", model="m", endpoint="chat", streamed=False, key_id=None
+    )
     write_request_log(
         [
-            RequestRecord(
-                request_id=f"req-{n}",
-                key_id=None,
-                provider="local",
-                model="m",
-                endpoint="chat",
-                worker_id=None,
-                worker_name=None,
-                status=200,
-                outcome="ok",
-                streamed=False,
-                queue_wait=0.0,
-                ttfb=None,
-                duration=0.01,
-                prompt_tokens=None,
-                completion_tokens=None,
-                requeues=0,
-                created_at=stamp,
-            )
+            dataclasses.replace(template, request_id=f"req-{n}", created_at=stamp)
             for n, stamp in enumerate(stamps)
         ]
     )

@@ -34,7 +34,6 @@ def test_the_small_masker_agrees_with_autobahns_own():
 # Twisted's asyncio reactor.
 _REAPING = r"""
 import asyncio, json, logging
-import daphne.server
 from daphne.server import Server
 from modelrelay_site import daphne_compat
 
@@ -63,11 +62,12 @@ async def main():
         protocol = object()
         server.protocol_connected(protocol)
         queue = server.create_application(protocol, {"type": "http"})
+        instance = server.connections[protocol]["application_instance"]
         if disconnect_first:
             server.protocol_disconnected(protocol)
         await queue.put({"type": "http.request"})
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
+        # The shim's done callback was added first, so it has run when this returns.
+        await asyncio.wait([instance])
         if not disconnect_first:
             server.protocol_disconnected(protocol)
         server.protocol_disconnected(protocol)  # a second call is harmless

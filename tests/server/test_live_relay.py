@@ -112,8 +112,8 @@ async def test_streaming_is_flushed_chunk_by_chunk_and_disconnect_cancels(relay_
 
 
 async def test_a_burst_of_frames_reaches_the_client_whole_and_in_order(relay_server):
-    """Frames that arrive together (one read holds many) are handled as they are read
-    or through the consumer's queue; either way nothing is lost or reordered."""
+    """Frames sent back to back (one read holds many), other frames among them:
+    nothing is lost or reordered on the way to the client."""
     async with await connect(relay_server) as ws:
         await register(ws)
         async with httpx.AsyncClient(base_url=relay_server.url, timeout=10) as client:
@@ -132,8 +132,8 @@ async def test_a_burst_of_frames_reaches_the_client_whole_and_in_order(relay_ser
             response = await reply
             assert response.status_code == 200
             assert response.text == "".join(sent)
-            workers = (await client.get("/health")).json()
-            assert workers["workers_connected"] == 1
+            health = (await client.get("/health")).json()
+            assert health["workers_connected"] == 1
 
 
 async def test_sigterm_finishes_in_flight_work_then_closes_workers_1012(relay_server):
