@@ -161,7 +161,7 @@ async def redis_round_trip(url: str, n: int) -> tuple[float, float, float]:
     """Admission against Redis: p50 and p99 in µs, and Redis commands sent per
     admission (counted at the client, ticket closes excluded: they are batched off
     the request path)."""
-    from relay.server.redislimits import RedisLimitStore
+    from relay.server.cluster.limits import RedisLimitStore
 
     prefix = f"bench-{secrets.token_hex(4)}"
     store = RedisLimitStore(url, prefix, "bench")

@@ -14,7 +14,7 @@ from keys.models import ApiKey
 @receiver(post_save, sender=ApiKey)
 @receiver(post_delete, sender=ApiKey)
 def key_changed(sender: type[ApiKey], instance: ApiKey, **kwargs: Any) -> None:
-    from relay.server import runtime
+    from relay.server import control
 
     # After commit: other processes re-read the table when told, and must see the row.
-    transaction.on_commit(runtime.keys_changed)
+    transaction.on_commit(control.keys_changed)

@@ -19,14 +19,14 @@ django_application = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.urls import path, re_path  # noqa: E402
 
-from modelrelay_site import daphne_compat  # noqa: E402
-from relay.server.consumers import WorkerConsumer  # noqa: E402
-from relay.server.http import RelayHttpApp  # noqa: E402
-from relay.server.legacy import LegacyNodeConsumer  # noqa: E402
-from relay.server.oldapi import OldChatApp  # noqa: E402
-from relay.server.rejecting import RejectingConsumer  # noqa: E402
+from modelrelay_site import daphne_shim  # noqa: E402
+from relay.server.http.app import RelayHttpApp  # noqa: E402
+from relay.server.legacy.nodes import LegacyNodeConsumer  # noqa: E402
+from relay.server.legacy.oldapi import OldChatApp  # noqa: E402
+from relay.server.socket.consumer import WorkerConsumer  # noqa: E402
+from relay.server.socket.rejecting import RejectingConsumer  # noqa: E402
 
-daphne_compat.install()
+daphne_shim.install()
 
 application = ProtocolTypeRouter(
     {

@@ -71,7 +71,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "relay.server.jsonerrors.AdminJsonErrors",
+    "relay.server.admin.errors.AdminJsonErrors",
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -204,6 +204,12 @@ STALL_TIMEOUT_SECS = env_float("STALL_TIMEOUT_SECS", 60.0)
 # The routes forwarded to workers by the body's model (relay/core/routes.py):
 # "default", "/path", "/path=anthropic", "-/path". Checked here so a typo stops the start.
 RELAY_ROUTES = env_list("RELAY_ROUTES", [])
+# daphne shim (modelrelay_site/daphne_shim): patches to leave out ("all", or names), and
+# whether to apply the rest on versions of daphne/Twisted/autobahn the tests never ran.
+DAPHNE_SHIM_SKIP = env_list("DAPHNE_SHIM_SKIP", [])
+DAPHNE_SHIM_UNTESTED = env_str("DAPHNE_SHIM_UNTESTED", "skip")
+if DAPHNE_SHIM_UNTESTED not in ("skip", "apply"):
+    raise ImproperlyConfigured("DAPHNE_SHIM_UNTESTED must be 'skip' or 'apply'")
 # Public model names mapped to backend model ids for every provider (JSON object).
 MODEL_ALIASES = env_aliases("MODEL_ALIASES")
 

@@ -2,7 +2,7 @@ from django.contrib import admin
 from django.urls import path
 
 from relay.pages import dashboard, wizard
-from relay.server.admin_api import api
+from relay.server.admin.api import api
 
 admin.site.site_header = "ModelRelay"
 admin.site.site_title = "ModelRelay admin"

@@ -5,7 +5,7 @@ transport's buffer is over its limit. What it cannot do is end a response the
 application gave up on: returning without completing it only closes the transport
 (which keeps the unread data until the client reads it) and logs an error. Here a
 ``send`` the application cancels while it waits for such a client aborts the
-connection instead, as :mod:`modelrelay_site.daphne_compat` does under daphne.
+connection instead, as :mod:`modelrelay_site.daphne_shim` does under daphne.
 It also stops uvicorn from taking a POST that carries ``Upgrade: websocket`` for a
 WebSocket handshake: it would hand the connection to its WebSocket protocol, which
 never answers a POST. Such a request is an ordinary HTTP request (daphne answers it

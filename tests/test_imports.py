@@ -86,12 +86,42 @@ def module_imports(path: Path) -> set[str]:
     return {name for name in found if name.count(".") >= 2}
 
 
+#: Our own top-level packages besides ``relay``: the Django apps and the site.
+APPS = ("workers_app", "keys", "modelrelay_site")
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module of ours: ``relay`` and the Django apps (migrations aside)."""
+    paths = [p for p in RELAY.rglob("*.py") if p.name != "__init__.py"]
+    for app in APPS:
+        paths += [p for p in (ROOT / app).rglob("*.py") if "migrations" not in p.parts]
+    return {_module_name(p): p for p in paths}
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` imports anywhere (lazy and
+    ``TYPE_CHECKING`` ones too); ``from package import module`` counts as the module."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found & known
+
+
 def test_no_module_imports_lead_in_a_circle():
-    graph = {
-        ".".join(p.relative_to(ROOT).with_suffix("").parts): module_imports(p)
-        for p in RELAY.rglob("*.py")
-        if p.name != "__init__.py"
-    }
+    """Over ``relay`` and the Django apps together: the apps reach the running relay
+    through ``relay.server.control`` only, and the server reads their models, never
+    their services, so no circle crosses between them either."""
+    modules = project_modules()
+    known = set(modules)
+    graph = {name: imports_of(path, known) - {name} for name, path in modules.items()}
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -106,6 +136,63 @@ def test_no_module_imports_lead_in_a_circle():
 
     for module in sorted(graph):
         visit(module, [])
+
+
+def test_the_apps_reach_the_running_server_only_through_its_control_interface():
+    modules = project_modules()
+    known = set(modules)
+    problems = []
+    for name, path in modules.items():
+        if name.split(".")[0] not in ("workers_app", "keys"):
+            continue
+        for target in imports_of(path, known):
+            if target.startswith("relay.server.") and not (
+                target == "relay.server.control" or target.startswith("relay.server.admin.")
+            ):
+                problems.append(f"{name} imports {target}")
+    assert problems == []
+
+
+#: The server's parts: each sub-package (or top-level module) and the other parts it
+#: may import. Cluster mode knows nothing of the edges; the edges share the runtime.
+SERVER_PARTS: dict[str, set[str]] = {
+    "cluster": set(),
+    "store": set(),
+    "bookkeeper": set(),
+    "metrics": set(),
+    "cors": set(),
+    "runtime": {"cluster", "store", "bookkeeper", "metrics", "cors"},
+    "control": {"runtime", "cluster"},
+    "http": {"runtime", "cluster", "metrics"},
+    "socket": {"runtime", "store", "cluster"},
+    "legacy": {"runtime", "store", "http", "socket"},
+    "admin": {"runtime", "cluster"},
+}
+
+
+def test_the_server_is_made_of_named_parts():
+    server = RELAY / "server"
+    parts = {p.stem for p in server.glob("*.py") if p.name != "__init__.py"}
+    parts |= {p.name for p in server.iterdir() if (p / "__init__.py").is_file()}
+    assert parts == set(SERVER_PARTS)
+    for package in [p for p in server.iterdir() if (p / "__init__.py").is_file()]:
+        assert ast.get_docstring(ast.parse((package / "__init__.py").read_text())), package
+
+
+def test_the_server_parts_import_only_what_they_may():
+    modules = project_modules()
+    known = set(modules)
+    problems = []
+    for name, path in modules.items():
+        if not name.startswith("relay.server."):
+            continue
+        part = name.split(".")[2]
+        for target in imports_of(path, known):
+            if target.startswith("relay.server."):
+                other = target.split(".")[2]
+                if other != part and other not in SERVER_PARTS[part]:
+                    problems.append(f"{name} imports {target}")
+    assert problems == []
 
 
 def test_worker_py_imports_only_the_shipped_packages():

@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
-from relay.server import runtime
+from relay.server import control
 from workers_app import services
 from workers_app.models import ConnectedWorker, Provider, RequestLog, WorkerSession
 
@@ -171,14 +171,13 @@ class RequestLogAdmin(ReadOnlyAdmin):
 
 
 async def _live_workers() -> list[dict[str, Any]]:
-    return await runtime.current().workers()
+    return await control.workers()
 
 
 async def _act(action: str, worker_id: str) -> bool:
-    rt = runtime.current()
     if action == "drain":
-        return await rt.drain(worker_id, reason="drained from the admin")
-    return await rt.refresh(worker_id, reason="requested from the admin")
+        return await control.drain(worker_id, reason="drained from the admin")
+    return await control.refresh(worker_id, reason="requested from the admin")
 
 
 @admin.register(ConnectedWorker)

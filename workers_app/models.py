@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
+from django.utils import timezone
 
 from relay.core.credentials import generate_secret, hash_secret, lookup_prefix, verify_secret
 
@@ -171,6 +173,13 @@ class WorkerSession(models.Model):
 
     def __str__(self) -> str:
         return f"{self.worker_name} ({self.worker_id})"
+
+    @classmethod
+    def prune(cls, days: int) -> int:
+        """Delete sessions that ended more than ``days`` ago; how many."""
+        cutoff = timezone.now() - dt.timedelta(days=days)
+        deleted, _ = cls.objects.filter(disconnected_at__lt=cutoff).delete()
+        return deleted
 
 
 class RequestLog(models.Model):

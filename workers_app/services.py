@@ -1,8 +1,7 @@
-"""Provider and worker-session operations shared by the admin, commands and runtime."""
+"""Provider and worker-session operations shared by the admin, the wizard and the commands."""
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 from dataclasses import dataclass
@@ -12,26 +11,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from modelrelay_site.env import persisted_secret
-from relay.core.config import ProviderPolicy, RelayConfig
 from relay.core.credentials import hash_secret
 from workers_app.models import Provider, SiteState, WorkerSession
 
 logger = logging.getLogger("relay.providers")
-
-
-def provider_policy(provider: Provider, config: RelayConfig) -> ProviderPolicy:
-    return ProviderPolicy.from_overrides(
-        config,
-        provider.name,
-        enabled=provider.enabled,
-        declared_models=frozenset(provider.declared_model_list),
-        exclusive_models=frozenset(provider.exclusive_model_list),
-        aliases=provider.alias_map,
-        max_queue_len=provider.max_queue_len,
-        queue_timeout=provider.queue_timeout_secs,
-        request_timeout=provider.request_timeout_secs,
-        max_models_per_worker=provider.max_models_per_worker,
-    )
 
 
 @dataclass(frozen=True)
@@ -86,7 +69,7 @@ class Rotation:
 
     def outcome(self) -> str:
         """What happened to the workers already connected, in one sentence."""
-        from relay.server.runtime import SECRET_ROTATED
+        from relay.server.control import SECRET_ROTATED
 
         name = self.provider.name
         if not self.disconnect:
@@ -112,7 +95,7 @@ def rotate_secret(provider: Provider, *, disconnect: bool = False) -> Rotation:
     closed with 1008 "provider secret rotated" — after the new secret is committed, so a
     worker that reconnects at once is checked against the new one.
     """
-    from relay.server import runtime
+    from relay.server import control
 
     with transaction.atomic():
         locked = Provider.objects.select_for_update().get(pk=provider.pk)
@@ -122,7 +105,7 @@ def rotate_secret(provider: Provider, *, disconnect: bool = False) -> Rotation:
     if disconnect:
         name = locked.name
         # Runs at once outside a transaction, else when the enclosing one commits.
-        transaction.on_commit(lambda: disconnected.append(runtime.disconnect_provider(name)))
+        transaction.on_commit(lambda: disconnected.append(control.disconnect_provider(name)))
     return Rotation(locked, secret, disconnect, disconnected[0] if disconnected else None)
 
 
@@ -131,12 +114,6 @@ def close_stale_sessions(reason: str = "server restarted") -> int:
     return WorkerSession.objects.filter(disconnected_at__isnull=True).update(
         disconnected_at=timezone.now(), disconnect_reason=reason
     )
-
-
-def prune_sessions(days: int) -> int:
-    cutoff = timezone.now() - dt.timedelta(days=days)
-    deleted, _ = WorkerSession.objects.filter(disconnected_at__lt=cutoff).delete()
-    return deleted
 
 
 #: What ``serve`` keeps private in DATA_DIR besides the database: the generated secrets.

@@ -18,7 +18,7 @@ from workers_app.models import Provider
 @receiver(post_save, sender=Provider)
 @receiver(post_delete, sender=Provider)
 def provider_changed(sender: type[Provider], instance: Provider, **kwargs: Any) -> None:
-    from relay.server import runtime
+    from relay.server import control
 
     # After commit: other processes re-read the table when told, and must see the row.
-    transaction.on_commit(runtime.providers_changed)
+    transaction.on_commit(control.providers_changed)

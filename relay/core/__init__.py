@@ -3,7 +3,9 @@
 ``state`` (the two live records: a connected worker and a relayed request),
 ``registry`` (workers indexed by model), ``queue`` (the per-provider wait queue's
 interface) and ``fairqueue`` (its order: API keys in weighted round-robin),
-``dispatch`` (admission, routing, deadlines, cancellation, requeue),
+``dispatch`` (admission, routing, deadlines, cancellation) with its bases ``providers``
+(the provider table: which provider and model id a request goes to), ``cluster`` (its
+side of cluster mode) and ``capacity`` (worker loss, requeue, feeding the queue),
 ``relay`` (the :class:`~relay.core.relay.Relay` the edges hold: the dispatcher plus
 the frames that come from workers), ``config``, ``stats``, ``timeline`` and
 ``snapshot`` (read-only views), ``keycache``, ``credentials`` and ``ratelimit``;

@@ -23,7 +23,7 @@ as a single timestamp): a burst of up to N, then one more every 60/N seconds; it
 no window edges at which 2N requests could pass within a second.
 
 The counters live in a :class:`LimitStore`: :class:`relay.core.limitstore.MemoryLimitStore`
-in a single process, :class:`relay.server.redislimits.RedisLimitStore` (atomic Lua
+in a single process, :class:`relay.server.cluster.limits.RedisLimitStore` (atomic Lua
 scripts, one round trip per admission at most) when several processes share Redis.
 A request admitted here carries a :class:`Ticket` until it ends (the dispatcher
 closes it): its concurrency slot, its weight in the fair queue, its key.

@@ -1,7 +1,7 @@
 """Where requests go when several server processes share one worker pool (SPEC §11).
 
 The dispatcher alone places requests on the workers connected to its own process. With
-a :class:`Placement` plugged in (``relay.server.placement`` backs it with Redis), the
+a :class:`Placement` plugged in (``relay.server.cluster.placement`` backs it with Redis), the
 choice becomes cluster-wide: capacity is reserved in one shared place, requests that
 find none wait in one shared queue per provider, and a slot that frees anywhere goes to
 the compatible request whose turn it is anywhere (the fair order of

@@ -12,7 +12,7 @@ that refuses some requests (a legacy node) is passed those, as if their model we
 **Across server processes** (cluster mode) the shared queue in Redis keeps the same
 order: per-key lanes, one ring of keys per provider with credits and weights, and a
 requeued lane that goes first, each change one atomic Lua script
-(:mod:`relay.server.clusterstate`).
+(:mod:`relay.server.cluster.state`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from django.views.decorators.http import require_POST
 from relay.core import snapshot
 from relay.core.keystats import fold
 from relay.server import runtime
-from relay.server.admin_api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
+from relay.server.admin.api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
 
 logger = logging.getLogger("relay.pages")
 

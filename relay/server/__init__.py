@@ -1,12 +1,13 @@
 """The server's edges around :mod:`relay.core`: thin Django/Channels adapters.
 
-``http`` (the ASGI fast path for the client API, routed ahead of Django),
-``consumers`` (the worker WebSocket endpoint), ``runtime`` (one relay per event loop,
-kept in sync with the database), ``cluster`` (several processes through Redis),
-``bookkeeper`` (request log and key usage, written in batches), ``redislimits``
-(per-key limit counters shared through Redis), ``metrics``
-(Prometheus), ``admin_api`` (the ``/admin/*`` JSON API), ``cors`` and ``rejecting``.
+Sub-packages: ``http`` (the client API's fast path, routed ahead of Django),
+``socket`` (the worker WebSocket endpoint), ``cluster`` (several processes through
+Redis), ``legacy`` (the older broker's nodes and clients) and ``admin`` (the
+``/admin/*`` JSON API). Modules: ``runtime`` (one relay per event loop, kept in sync
+with the database), ``store`` (what the runtime reads from the database),
+``control`` (the one interface the Django apps call), ``bookkeeper`` (request log and
+key usage, written in batches), ``metrics`` (Prometheus) and ``cors``.
 
-May import: :mod:`relay.core`, :mod:`relay.wire`, Django, Channels and the apps
-(``workers_app``, ``keys``); never :mod:`relay.pages` or :mod:`relay.worker`.
+May import: :mod:`relay.core`, :mod:`relay.wire`, Django, Channels and the apps'
+models (``workers_app``, ``keys``); never :mod:`relay.pages` or :mod:`relay.worker`.
 """

@@ -238,11 +238,10 @@ def write_key_usage(usage: dict[int, Usage]) -> None:
 
 
 def prune(days: int) -> None:
-    from workers_app.models import RequestLog
-    from workers_app.services import prune_sessions
+    from workers_app.models import RequestLog, WorkerSession
 
     cutoff = dt.datetime.now(tz=dt.UTC) - dt.timedelta(days=days)
     logs, _ = RequestLog.objects.filter(created_at__lt=cutoff).delete()
-    sessions = prune_sessions(days)
+    sessions = WorkerSession.prune(days)
     if logs or sessions:
         logger.info("pruned %d request-log rows and %d worker sessions", logs, sessions)

@@ -10,7 +10,6 @@ HTTP handlers and the worker consumer reach the core only through :func:`current
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
 import secrets
 import socket
@@ -20,20 +19,21 @@ from django.conf import settings
 
 from relay.core import snapshot
 from relay.core.config import RelayConfig
-from relay.core.keycache import KeyCache, KnownKey
+from relay.core.keycache import KeyCache
 from relay.core.keystats import KeyStats, key_name, key_rows
-from relay.core.limits import NO_LIMITS, KeyLimits, Limiter, LimitStore, Periods, Ticket
+from relay.core.limits import NO_LIMITS, KeyLimits, Limiter, LimitStore, Ticket
 from relay.core.limitstore import MemoryLimitStore
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
+from relay.server import store
 from relay.server.bookkeeper import Bookkeeper, in_thread
-from relay.server.cluster import GROUP, Cluster, close_workers_of
+from relay.server.cluster.control import Cluster, close_workers_of
+from relay.server.cluster.limits import RedisLimitStore
+from relay.server.cluster.placement import RedisPlacement
+from relay.server.cluster.proxy import cluster_token
 from relay.server.cors import CorsPolicy
 from relay.server.metrics import RelayMetrics
-from relay.server.placement import RedisPlacement
-from relay.server.proxy import cluster_token
-from relay.server.redislimits import RedisLimitStore
 from relay.wire.errors import Flavor
 
 logger = logging.getLogger("relay.runtime")
@@ -245,14 +245,11 @@ class Runtime:
 
     async def sync(self) -> None:
         """Re-read providers (always) and API keys (when they changed)."""
-        from workers_app.models import Provider
-        from workers_app.services import provider_policy
-
         as_of = self.loop.time()
-        rows = await in_thread(lambda: list(Provider.objects.all()))
-        self.relay.sync_providers([provider_policy(p, self.config) for p in rows], as_of=as_of)
+        policies = await in_thread(store.load_providers, self.config)
+        self.relay.sync_providers(policies, as_of=as_of)
         if self.require_keys:
-            version, keys = await in_thread(_load_keys, self._keys_version)
+            version, keys = await in_thread(store.load_keys, self._keys_version)
             if keys is not None:
                 self.keys.replace(keys)
                 logger.debug("API keys reloaded: %d active", len(keys))
@@ -260,7 +257,7 @@ class Runtime:
             if not self._spend_seeded and isinstance(self.limit_store, MemoryLimitStore):
                 # Budgets outlive a restart: start from the request log's sums.
                 at = self.limiter.calendar.at(self.limiter.clock())
-                self.limit_store.seed(await in_thread(_load_spend, at), at)
+                self.limit_store.seed(await in_thread(store.load_spend, at), at)
             self._spend_seeded = True
             await self.limiter.spend(self._spend_ids())  # for /metrics
         self._loaded.set()
@@ -314,46 +311,6 @@ class Runtime:
         await self.relay.aclose()
 
 
-def _load_keys(
-    seen: tuple[object, int] | None,
-) -> tuple[tuple[object, int], dict[str, KnownKey] | None]:
-    """Active keys, or None when nothing changed since ``seen`` (one cheap query)."""
-    from django.db.models import Count, Max
-
-    from keys.models import ApiKey
-
-    summary = ApiKey.objects.aggregate(latest=Max("updated_at"), count=Count("id"))
-    version = (summary["latest"], summary["count"])
-    if version == seen:
-        return version, None
-    rows = ApiKey.objects.filter(revoked_at__isnull=True)
-    return version, {
-        key.prefix: KnownKey(id=key.id, key_hash=key.key_hash, name=key.name, limits=key.limits())
-        for key in rows
-    }
-
-
-def _load_spend(at: Periods) -> dict[int, tuple[int, int]]:
-    """Tokens per key in the request log (today, this month) at ``at``."""
-    from django.db.models import IntegerField, Q, Sum, Value
-    from django.db.models.functions import Coalesce
-
-    from workers_app.models import RequestLog
-
-    day_start = dt.datetime.fromtimestamp(at.day_ends - 86_400, tz=dt.UTC)
-    month_start = day_start.replace(day=1)
-    tokens = Coalesce("prompt_tokens", Value(0)) + Coalesce("completion_tokens", Value(0))
-    rows = (
-        RequestLog.objects.filter(api_key__isnull=False, created_at__gte=month_start)
-        .values("api_key")
-        .annotate(
-            month=Sum(tokens, output_field=IntegerField()),
-            day=Sum(tokens, filter=Q(created_at__gte=day_start), output_field=IntegerField()),
-        )
-    )
-    return {r["api_key"]: (r["day"] or 0, r["month"] or 0) for r in rows if r["month"]}
-
-
 _current: Runtime | None = None
 
 
@@ -368,78 +325,6 @@ def current() -> Runtime:
 
 def peek() -> Runtime | None:
     return _current
-
-
-def providers_changed() -> None:
-    """Thread-safe: make every server process reload providers and keys now.
-
-    Called from Django signals, in whatever thread saved the row (an admin request,
-    a management command). This process is poked directly; with Redis, all the
-    others are told through the channel layer.
-    """
-    runtime = _current
-    if runtime is not None and not runtime.loop.is_closed():
-        try:
-            runtime.loop.call_soon_threadsafe(runtime.poke)
-        except RuntimeError:  # loop closed between the check and the call
-            runtime = None
-    if not settings.REDIS_URL:
-        return
-    try:
-        if runtime is not None and runtime.cluster is not None:
-            future = asyncio.run_coroutine_threadsafe(
-                runtime.cluster.broadcast_sync(), runtime.loop
-            )
-            future.add_done_callback(_log_failure)
-        else:  # no server loop in this process (a management command)
-            from asgiref.sync import async_to_sync
-            from channels.layers import get_channel_layer
-
-            layer = get_channel_layer()
-            if layer is not None:
-                async_to_sync(layer.group_send)(GROUP, {"type": "relay.sync"})
-    except Exception:
-        logger.warning("could not broadcast a provider/key change through Redis", exc_info=True)
-
-
-def disconnect_provider(provider: str, reason: str = SECRET_ROTATED) -> int:
-    """Thread-safe: close every worker of ``provider`` on every server process (1008).
-
-    Called from sync code (the admin, the wizard) in a thread other than the server's
-    loop, after a secret rotation was committed. Returns how many workers were told to
-    close. A process without a running relay (a management command) can only broadcast
-    through Redis, and counts nothing.
-    """
-    runtime = _current
-    if runtime is not None and runtime.loop.is_running():
-        try:
-            on_loop = asyncio.get_running_loop() is runtime.loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:  # blocking on our own loop would never return
-            raise RuntimeError("disconnect_provider() called on the relay's event loop")
-        future = asyncio.run_coroutine_threadsafe(
-            runtime.disconnect_provider(provider, reason), runtime.loop
-        )
-        return future.result(timeout=10)
-    if settings.REDIS_URL:
-        from asgiref.sync import async_to_sync
-        from channels.layers import get_channel_layer
-
-        layer = get_channel_layer()
-        if layer is not None:
-            message = {"type": "relay.disconnect_provider", "provider": provider, "reason": reason}
-            async_to_sync(layer.group_send)(GROUP, message)
-    return 0
-
-
-def _log_failure(future: object) -> None:
-    exc = future.exception()  # type: ignore[attr-defined]
-    if exc is not None:
-        logger.warning("could not broadcast a provider/key change through Redis: %s", exc)
-
-
-keys_changed = providers_changed
 
 
 async def reset() -> None:

@@ -305,7 +305,7 @@ async def test_a_slot_on_a_local_worker_is_held_to_the_deadline_in_one_step(
 
     import redis.asyncio as aioredis
 
-    from relay.server import clusterstate
+    from relay.server.cluster import state as clusterstate
 
     names = {
         hashlib.sha1(source.encode()).hexdigest(): name

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from relay.server import runtime
+from relay.server import control, runtime
 from relay.wire import protocol
 from tests.asgikit import FakeWorker, HttpCall, chat, make_provider, until
 
@@ -313,7 +313,7 @@ async def test_provider_disabled_while_requests_wait_gets_503(fresh_runtime):
     call = await post()
     await until(lambda: relay().queue_depth() == 1)
     await Provider.objects.filter(name="local").aupdate(enabled=False)
-    runtime.providers_changed()
+    control.providers_changed()
     status, headers, body = await call.response()
     assert status == 503
     assert headers["retry-after"]

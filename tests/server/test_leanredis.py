@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from relay.server.leanredis import LeanRedis, Script, lean_client
+from relay.server.cluster.leanredis import LeanRedis, Script, lean_client
 from tests.conftest import require_service
 
 URL = "redis://127.0.0.1:6379/0"

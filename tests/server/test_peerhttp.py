@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from relay.server.peerhttp import PeerClient, PeerError, PeerRefused
+from relay.server.cluster.peerhttp import PeerClient, PeerError, PeerRefused
 
 Reply = Callable[[bytes], bytes | None]
 

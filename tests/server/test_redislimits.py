@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from relay.core.limits import KeyLimits, Limiter
-from relay.server.redislimits import RedisLimitStore
+from relay.server.cluster.limits import RedisLimitStore
 from relay.wire import protocol
 from relay.wire.errors import ConcurrencyLimited, DailyQuotaExceeded, RequestRateLimited
 from tests.conftest import require_service

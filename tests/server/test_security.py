@@ -10,7 +10,8 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from keys.services import create_key
-from relay.server import http, runtime
+from relay.server import control, runtime
+from relay.server.http import request as http
 from relay.wire import protocol
 from tests.asgikit import FakeWorker, HttpCall, chat, make_provider, until
 
@@ -210,7 +211,7 @@ async def test_an_inference_body_without_a_json_content_type_gets_415(provider):
 async def test_a_worker_cannot_squat_a_model_another_provider_declared_exclusive(provider):
     owner_secret = "mrw_owner-secret"
     await make_provider("owner", owner_secret, exclusive_models="m\nm2")
-    runtime.providers_changed()
+    control.providers_changed()
     await until(lambda: "m" in runtime.current().relay.reserved)
     async with (
         FakeWorker() as squatter,

@@ -8,5 +8,5 @@ core) and ``oldapi`` (the old client API, ``POST /api/chat``, translated to and 
 a chat completion).
 
 Django-free like the rest of :mod:`relay.core`; the sockets and the HTTP handler
-that use it live in :mod:`relay.server.legacy` and :mod:`relay.server.oldapi`.
+that use it live in :mod:`relay.server.legacy` and :mod:`relay.server.legacy.oldapi`.
 """

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from relay.server.admin_api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
+from relay.server.admin.api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
 from workers_app.management.commands._common import add_server_arguments, client, find_worker
 
 

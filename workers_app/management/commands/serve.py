@@ -21,6 +21,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from modelrelay_site.servers import SERVERS
 from relay import __version__
 from relay.core.credentials import PREFIX_LEN
+from workers_app.models import WorkerSession
 from workers_app.services import (
     Bootstrap,
     PepperMismatch,
@@ -28,7 +29,6 @@ from workers_app.services import (
     check_pepper,
     close_stale_sessions,
     make_private,
-    prune_sessions,
 )
 
 logger = logging.getLogger("relay.serve")
@@ -91,7 +91,7 @@ class Command(BaseCommand):
             settings.PROVIDER_NAME, settings.WORKER_SECRET, settings.DATA_DIR
         )
         stale = close_stale_sessions()
-        pruned = prune_sessions(settings.AUDIT_RETENTION_DAYS)
+        pruned = WorkerSession.prune(settings.AUDIT_RETENTION_DAYS)
         if stale or pruned:
             logger.info("closed %d stale worker session(s), pruned %d old one(s)", stale, pruned)
 

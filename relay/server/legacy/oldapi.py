@@ -22,15 +22,8 @@ from relay.core.legacy import oldapi
 from relay.core.relay import Relay
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server import runtime
-from relay.server.http import (
-    SECURITY_HEADERS,
-    ClientGone,
-    Receive,
-    Scope,
-    Send,
-    host_allowed,
-    read_body,
-)
+from relay.server.http.request import ClientGone, host_allowed, read_body
+from relay.server.http.send import SECURITY_HEADERS, Receive, Scope, Send
 from relay.wire.errors import BadRequest, MethodNotAllowed, RelayError
 
 logger = logging.getLogger("relay.oldapi")

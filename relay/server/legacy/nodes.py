@@ -14,7 +14,7 @@ frame) through a :class:`~relay.core.legacy.bridge.NodeBridge`, so it is a worke
 like any other — selection, the queue, drain, the heartbeat, ``/admin/workers``, the
 dashboard and the session audit rows (``protocol_version`` ``"legacy"``). This
 consumer only authenticates and feeds frames to the bridge; the rest of its life
-(disconnect, audit rows, send failures) is :class:`~relay.server.consumers.WorkerConsumer`'s.
+(disconnect, audit rows, send failures) is :class:`~relay.server.socket.consumer.WorkerConsumer`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from relay.core.legacy.bridge import BridgeConfig, NodeBridge
 from relay.core.ratelimit import client_address
 from relay.core.registry import sanitize_models
 from relay.server import runtime
-from relay.server.consumers import ConsumerLink, WorkerConsumer
+from relay.server.socket.consumer import ConsumerLink, WorkerConsumer
 
 logger = logging.getLogger("relay.legacy")
 
@@ -84,8 +84,8 @@ class LegacyNodeConsumer(WorkerConsumer):
                 f"too many failed authentication attempts; retry in {wait:.0f}s",
             )
             return
+        from relay.server.store import provider_policy
         from workers_app.models import Provider
-        from workers_app.services import provider_policy
 
         provider = await Provider.objects.filter(name=self.provider_name).afirst()
         if provider is None or not provider.check_secret(params.token):

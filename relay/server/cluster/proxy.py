@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from relay.core.relay import Relay
 from relay.core.state import Completion, Worker
-from relay.server.peerhttp import PeerClient, PeerError, PeerRefused
+from relay.server.cluster.peerhttp import PeerClient, PeerError, PeerRefused
 from relay.wire import protocol
 
 logger = logging.getLogger("relay.cluster")

@@ -42,7 +42,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.core.limits import DAY, KeyLimits, Limit, LimitStoreUnavailable, Periods, Refusal
-from relay.server.leanredis import Script, lean_client
+from relay.server.cluster.leanredis import Script, lean_client
 
 logger = logging.getLogger("relay.limits")
 

@@ -1,6 +1,6 @@
 """A lean HTTP/1.1 client for requests from one server process to another.
 
-The cluster link (:mod:`relay.server.proxy`) sends each request to the process its
+The cluster link (:mod:`relay.server.cluster.proxy`) sends each request to the process its
 worker is connected to, and that process's own fast path answers: a ``Content-Length``
 body, a chunked stream, or a body up to the end of the connection. That is all this
 client speaks. Connections are kept alive and reused, newest first, per address; one

@@ -25,7 +25,7 @@ from keys.services import create_key, revoke_key, update_key
 from relay.core import snapshot
 from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
-from relay.server.redislimits import RedisLimitStore
+from relay.server.cluster.limits import RedisLimitStore
 
 #: The longest drain deadline an operator may set: a day. A draining worker takes no new
 #: work, so an endless (or absurd) deadline would take it out of service for good.

@@ -143,7 +143,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         The generic consumer loop spawns a task per message to also listen on a
         channel-layer channel, and closes stale DB connections (a thread hop) before
         every handler. A worker socket carries every token chunk, needs no channel of
-        its own (cross-process control goes through :mod:`relay.server.cluster`) and touches
+        its own (cross-process control goes through :mod:`relay.server.cluster.control`) and touches
         the database only on connect and disconnect, so neither cost is paid here.
         """
         self.scope = scope
@@ -191,8 +191,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             logger.warning("worker auth throttled: peer=%s (%.0fs left)", self.peer, wait)
             await self._refuse(f"too many failed authentication attempts; retry in {wait:.0f}s")
             return
+        from relay.server.store import provider_policy
         from workers_app.models import Provider
-        from workers_app.services import provider_policy
 
         provider = await Provider.objects.filter(name=self.provider_name).afirst()
         if provider is None or not secret or not provider.check_secret(secret):

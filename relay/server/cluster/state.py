@@ -43,7 +43,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from relay.server.leanredis import LeanRedis, Script
+from relay.server.cluster.leanredis import LeanRedis, Script
 
 #: A process that has not refreshed its keys for this long is gone.
 PROC_TTL_MS = 5000
@@ -253,7 +253,7 @@ class Placed:
 
 class ClusterState:
     def __init__(self, redis: aioredis.Redis, prefix: str, lean: LeanRedis | None = None) -> None:
-        """``lean``: run the per-request scripts through it (:mod:`relay.server.leanredis`);
+        """``lean``: run the per-request scripts through it (:mod:`relay.server.cluster.leanredis`);
         membership and the rest go through ``redis``."""
         self.redis = redis
         self.prefix = prefix

@@ -1,7 +1,7 @@
 """A lean Redis client for the scripts a cluster runs on every request.
 
 Placing a request, releasing its slot and admitting its key are one Lua script each
-(:mod:`relay.server.clusterstate`, :mod:`relay.server.redislimits`). Through redis-py's
+(:mod:`relay.server.cluster.state`, :mod:`relay.server.cluster.limits`). Through redis-py's
 asyncio client each call cost this process 110 to 170 µs of CPU (a connection taken from
 the pool and given back, a timeout wrapped around every read, the reply parsed in
 Python): more than the rest of the request. This client keeps one connection, writes

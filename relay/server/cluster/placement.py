@@ -1,7 +1,7 @@
 """Cluster mode: requests placed across every server process sharing one Redis (SPEC §11).
 
 :class:`RedisPlacement` implements :class:`relay.core.placement.Placement` for the
-dispatcher. Each decision is one atomic script in :mod:`relay.server.clusterstate`:
+dispatcher. Each decision is one atomic script in :mod:`relay.server.cluster.state`:
 
 - a request admitted here reserves the least-loaded slot of the whole cluster, or joins
   the provider's shared queue (``place``);
@@ -11,8 +11,8 @@ dispatcher. Each decision is one atomic script in :mod:`relay.server.clusterstat
   pub/sub channel; a slot found for one of ours is used at once.
 
 A request placed on a worker of another process is assigned to a stand-in worker whose
-link forwards it there over HTTP (:mod:`relay.server.proxy`); a request placed here by
-another process arrives through the fast path (:func:`relay.server.http`'s internal
+link forwards it there over HTTP (:mod:`relay.server.cluster.proxy`); a request placed here by
+another process arrives through the fast path (:func:`relay.server.http.inference.placed_here`,
 branch). Redis holds membership, capacity and the queue only; bytes never go through it.
 
 When Redis is unreachable the placement goes inactive: the dispatcher places requests on
@@ -34,9 +34,9 @@ from relay.core.fairqueue import weight_of
 from relay.core.legacy.tasks import refusal
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
-from relay.server.clusterstate import ClusterState, Placed, lane_of
-from relay.server.leanredis import lean_client
-from relay.server.proxy import ProxyPool
+from relay.server.cluster.leanredis import lean_client
+from relay.server.cluster.proxy import ProxyPool
+from relay.server.cluster.state import ClusterState, Placed, lane_of
 from relay.wire.errors import QueueFull
 
 logger = logging.getLogger("relay.cluster")

@@ -1,0 +1,121 @@
+"""The inference routes: a client request admitted, relayed and answered; and a request
+another server process placed on one of this process's workers (cluster mode)."""
+
+from __future__ import annotations
+
+import hmac
+
+from relay.server import runtime
+from relay.server.cluster.proxy import KEY_HEADER, LEASE_HEADER, LIFETIME_HEADER, TOKEN_HEADER
+from relay.server.http.request import (
+    ClientGone,
+    before_body,
+    header,
+    parse_head,
+    read_body,
+)
+from relay.server.http.respond import respond
+from relay.server.http.send import Receive, Scope, Send, send_error, send_simple
+from relay.wire.errors import BadRequest, Flavor, RelayError
+from relay.wire.headers import forwarded_request_headers
+
+TOKEN_HEADER_B = TOKEN_HEADER.encode()
+LEASE_HEADER_B = LEASE_HEADER.encode()
+LIFETIME_HEADER_B = LIFETIME_HEADER.encode()
+KEY_HEADER_B = KEY_HEADER.encode()
+
+
+async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
+    rt = runtime.current()
+    cors = rt.cors.headers(header(scope, b"origin"))
+    method = scope["method"]
+    if method == "OPTIONS" and cors is not None:
+        await send_simple(send, 204, cors + rt.cors.preflight(), b"")
+        return
+    relay = rt.relay
+    path = scope["path"]
+    await rt.ready()  # providers and keys loaded (instant after the first request)
+    try:
+        key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
+        raw = await read_body(receive, rt.config.max_request_bytes)
+        try:
+            body = raw.decode()
+        except UnicodeDecodeError:
+            raise BadRequest("Request body must be UTF-8 encoded JSON") from None
+        model, stream = parse_head(raw)
+        if len(model) > rt.config.max_model_name_len:
+            raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
+    except ClientGone:
+        return
+    except RelayError as err:
+        relay.record_rejection(err, "", path, False, None)
+        await send_error(send, err, flavor, cors)
+        return
+    ticket = None
+    if key_id is not None:
+        try:  # the key's limits (SPEC §13): one Redis round trip at most
+            ticket = await rt.admit(key_id, model)
+        except RelayError as err:
+            relay.record_rejection(err, model, path, stream, key_id)
+            await send_error(send, err, flavor, cors)
+            return
+    try:
+        request = relay.submit(
+            model=model,
+            endpoint_path=path,
+            flavor=flavor,
+            is_streaming=stream,
+            body=body,
+            headers=forwarded_request_headers(scope["headers"], exclude=relay_auth_headers),
+            key_id=key_id,
+            ticket=ticket,
+        )
+    except RelayError as err:  # already counted by the core
+        if ticket is not None:
+            ticket.close()
+        await send_error(send, err, flavor, cors)
+        return
+    await respond(relay, request, receive, send, cors or [])
+
+
+async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
+    """A request another server process placed on one of our workers (cluster mode,
+    see :mod:`relay.server.cluster.proxy`): authenticated by the cluster token, already
+    admitted there (keys, limits, aliases), its slot reserved under a lease."""
+    rt = runtime.current()
+    placement = rt.placement
+    token = header(scope, TOKEN_HEADER_B) or b""
+    if placement is None or not hmac.compare_digest(token, rt.cluster_token.encode()):
+        await send_simple(send, 403, [(b"content-type", b"text/plain")], b"forbidden\n")
+        return
+    relay = rt.relay
+    path = scope["path"]
+    worker_id, _, lease = (header(scope, LEASE_HEADER_B) or b"").decode().partition(" ")
+    try:
+        lifetime = float(header(scope, LIFETIME_HEADER_B) or b"0")
+        key = header(scope, KEY_HEADER_B)
+        key_id = int(key) if key is not None and key.isdigit() else None
+        raw = await read_body(receive, rt.config.max_request_bytes)
+        model, stream = parse_head(raw)
+        request = relay.submit_pinned(
+            worker_id=worker_id,
+            lease=lease,
+            model=model,
+            endpoint_path=path,
+            flavor=flavor,
+            is_streaming=stream,
+            body=raw.decode(),
+            headers=forwarded_request_headers(scope["headers"]),
+            key_id=key_id,
+            lifetime=min(lifetime, rt.config.request_timeout),
+        )
+    except ClientGone:
+        placement.release(worker_id, lease)
+        return
+    except (RelayError, ValueError, UnicodeDecodeError) as exc:
+        placement.release(worker_id, lease)
+        err = exc if isinstance(exc, RelayError) else BadRequest("Malformed internal request")
+        await send_error(send, err, flavor)
+        return
+    placement.extend(worker_id, lease, request)
+    await respond(relay, request, receive, send, [])
