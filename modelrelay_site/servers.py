@@ -85,6 +85,10 @@ class Serving:
     def stop(self, *, force: bool = False) -> None:
         raise NotImplementedError
 
+    def stop_listening(self) -> None:
+        """Accept no new connections; the ones open carry on."""
+        raise NotImplementedError
+
     def started(self, host: str, port: int) -> None:
         """Called on the server's event loop once it listens."""
         loop = asyncio.get_running_loop()
@@ -103,6 +107,11 @@ class Serving:
             return
         self._stopping = True
         logger.info("shutting down: no new requests; finishing in-flight work")
+        if settings.REDIS_URL:
+            # Behind a load balancer (cluster mode), new connections are refused rather
+            # than answered 503: the balancer sends them to another process (a refused
+            # connection is retried whatever the method; a 503 to a POST is not).
+            self.stop_listening()
         asyncio.get_running_loop().create_task(self._graceful())
 
     async def _graceful(self) -> None:
@@ -159,6 +168,17 @@ class DaphneServing(Serving):
     def stop(self, *, force: bool = False) -> None:
         self.server.stop()
 
+    def stop_listening(self) -> None:
+        for listener in self.server.listeners:
+            # Accept what already waits in the backlog first: closing the socket would
+            # reset those connections, and a balancer does not resend a POST it had
+            # written to one.
+            try:
+                listener.doRead()
+            except Exception:
+                logger.debug("accepting the last connections failed", exc_info=True)
+            listener.stopListening()
+
 
 class UvicornServing(Serving):
     name = "uvicorn"
@@ -211,6 +231,10 @@ class UvicornServing(Serving):
         self.server.should_exit = True
         if force:
             self.server.force_exit = True
+
+    def stop_listening(self) -> None:
+        for server in self.server.servers:
+            server.close()  # the listening sockets; open connections carry on
 
 
 SERVERS: dict[str, type[Serving]] = {"daphne": DaphneServing, "uvicorn": UvicornServing}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 from modelrelay_site.env import (
     env_aliases,
@@ -149,6 +150,12 @@ REDIS_PREFIX = env_str("REDIS_PREFIX", "modelrelay")
 # Cluster mode: the URL at which the other server processes reach this one (default:
 # http://<listen host>:<port>, the host name when listening on all interfaces).
 CLUSTER_ADVERTISE_URL = env_str("CLUSTER_ADVERTISE_URL", "")
+# How often each process re-asserts its share of the cluster's state in Redis (and reads
+# back what it may have missed), and how long that state outlives a silent process.
+CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
+CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
+if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:
+    raise ImproperlyConfigured("CLUSTER_TICK_SECS must be positive and below CLUSTER_TTL_SECS")
 #: With Redis: a server process's per-key concurrency slots stop counting this long
 #: after it stopped renewing them (it died), so they never leak (docs/OPERATIONS.md).
 LIMITS_LEASE_SECS = env_float("LIMITS_LEASE_SECS", 15.0)

@@ -48,6 +48,10 @@ class ScriptedWorker:
         self.models = models
         self.max_concurrent = max_concurrent
         self.requests: asyncio.Queue[protocol.Request] = asyncio.Queue()
+        #: Requests it holds now (received, neither answered nor cancelled), and the most
+        #: it ever held at once: a relay must never hand it more than max_concurrent.
+        self.holding: set[str] = set()
+        self.peak = 0
         self._ws = None
         self._reader: asyncio.Task[None] | None = None
 
@@ -76,7 +80,11 @@ class ScriptedWorker:
                 if isinstance(message, protocol.Ping):
                     await self._ws.send(protocol.encode(protocol.Pong(current_load=0)))
                 elif isinstance(message, protocol.Request):
+                    self.holding.add(message.request_id)
+                    self.peak = max(self.peak, len(self.holding))
                     self.requests.put_nowait(message)
+                elif isinstance(message, protocol.Cancel):
+                    self.holding.discard(message.request_id)
         except ConnectionClosed:
             return
 
@@ -88,6 +96,7 @@ class ScriptedWorker:
         self, request: protocol.Request, prompt: int = 1, completion_: int = 1
     ) -> None:
         assert self._ws is not None
+        self.holding.discard(request.request_id)
         message = protocol.ResponseComplete(
             request_id=request.request_id,
             status_code=200,

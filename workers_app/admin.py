@@ -193,7 +193,12 @@ class ConnectedWorkerAdmin(ReadOnlyAdmin):
                 return HttpResponseRedirect(request.path)
             action = request.POST.get("action", "")
             worker_id = request.POST.get("worker_id", "")
-            if action in ("drain", "refresh") and async_to_sync(_act)(action, worker_id):
+            try:
+                done = action in ("drain", "refresh") and async_to_sync(_act)(action, worker_id)
+            except control.ClusterUnreachable as exc:
+                messages.error(request, f"The other server processes cannot be reached: {exc}")
+                return HttpResponseRedirect(request.path)
+            if done:
                 verb = "Draining" if action == "drain" else "Asked to refresh models:"
                 messages.success(request, f"{verb} {worker_id}")
             else:

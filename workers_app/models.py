@@ -93,6 +93,12 @@ class Provider(models.Model):
         validators=[MinValueValidator(1)],
         help_text="Empty uses MAX_MODELS_PER_WORKER.",
     )
+    eviction = models.PositiveIntegerField(
+        default=0,
+        editable=False,
+        help_text="Raised each time every connected worker is disconnected (secret rotated): "
+        "a worker admitted under a lower value is closed by whichever process holds it.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

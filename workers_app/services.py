@@ -100,7 +100,13 @@ def rotate_secret(provider: Provider, *, disconnect: bool = False) -> Rotation:
     with transaction.atomic():
         locked = Provider.objects.select_for_update().get(pk=provider.pk)
         secret = locked.rotate_secret()
-        locked.save(update_fields=["secret_prefix", "secret_hash", "updated_at"])
+        fields = ["secret_prefix", "secret_hash", "updated_at"]
+        if disconnect:
+            # Every process also closes them at its next provider sync, should the
+            # broadcast below not reach it.
+            locked.eviction += 1
+            fields.append("eviction")
+        locked.save(update_fields=fields)
     disconnected: list[int] = []
     if disconnect:
         name = locked.name

@@ -140,14 +140,15 @@ class Capacity:
         cluster mode."""
         if worker.remote or not worker.attached:
             return  # a stand-in's slots are the owning process's to free
-        placement = self.placement if self.clustered else None
-        if placement is not None:
-            placement.freed(worker, lease)  # releases the lease; no new work if draining
+        if self.placement is not None:
+            # Releases the lease (or, while the cluster cannot be reached, remembers to);
+            # no new work for a draining worker.
+            self.placement.freed(worker, lease)
         if worker.draining:
             if not worker.in_flight:
                 self.close_worker(worker, 1000, "worker drained")
             return
-        if placement is None:
+        if not self.clustered:
             self._feed(worker)
 
     def _feed(self, worker: Worker) -> None:

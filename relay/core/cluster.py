@@ -67,6 +67,12 @@ class ClusterSide:
         self._assign(request, worker, self.loop.time())
         return True
 
+    @staticmethod
+    def full(worker: Worker) -> bool:
+        """Whether every slot of a local worker is taken by a request this process runs
+        on it (the count the shared reservations must never fall below)."""
+        return len(worker.in_flight) >= worker.max_concurrent
+
     def set_remote_models(self, models: dict[str, frozenset[str]]) -> None:
         """Cluster mode: what the workers of the other processes serve now. A model that
         left is remembered for MODEL_MEMORY_SECS, like a local worker's."""
@@ -112,9 +118,14 @@ class ClusterSide:
     ) -> RelayRequest:
         """Admit a request another process placed on one of our workers (its slot is
         reserved under ``lease``). Raises :class:`WorkerUnavailable` when that worker can
-        no longer take it; the other process then places the request again."""
+        no longer take it; the other process then places the request again.
+
+        Capacity is checked here too, whatever the shared reservations said: after Redis
+        lost some of them, a worker could otherwise be handed more than it holds."""
         worker = self.registry.workers.get(worker_id)
         if worker is None or not worker.attached or worker.draining or self.shutting_down:
+            raise WorkerUnavailable(spend=False)
+        if self.full(worker):
             raise WorkerUnavailable(spend=False)
         now = self.loop.time()
         self._seq += 1

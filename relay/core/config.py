@@ -62,6 +62,8 @@ class ProviderPolicy:
     queue_timeout: float = 30.0
     request_timeout: float = 300.0
     max_models_per_worker: int = 256
+    #: Workers admitted under a lower value are closed (their secret was rotated away).
+    eviction: int = 0
 
     @classmethod
     def from_overrides(
@@ -77,6 +79,7 @@ class ProviderPolicy:
         queue_timeout: float | None = None,
         request_timeout: float | None = None,
         max_models_per_worker: int | None = None,
+        eviction: int = 0,
     ) -> ProviderPolicy:
         return cls(
             name=name,
@@ -92,4 +95,5 @@ class ProviderPolicy:
                 if max_models_per_worker is None
                 else max_models_per_worker
             ),
+            eviction=eviction,
         )

@@ -37,7 +37,9 @@ class Placement(Protocol):
 
     def freed(self, worker: Worker, lease: str | None) -> None:
         """A local worker's slot opened (the request that held reservation ``lease``
-        left it): give it to the compatible request whose turn it is, anywhere."""
+        left it): give it to the compatible request whose turn it is, anywhere. Called
+        whether the placement is active or not: an inactive one releases the lease once
+        it can."""
 
     def worker_changed(self, worker: Worker) -> None:
         """A local worker registered, or its models or drain state changed."""

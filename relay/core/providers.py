@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("relay")
 
+#: The close reason of workers disconnected because their provider's secret was rotated.
+SECRET_ROTATED = "provider secret rotated"
+
 _json_decode = msgspec.json.Decoder(dict[str, Any]).decode
 _json_encode = msgspec.json.Encoder().encode
 
@@ -91,6 +94,11 @@ class ProviderTable:
             self._reserve_models()
         if not policy.enabled:
             self._evict_provider(policy.name, ProviderDisabled, "provider disabled")
+            return
+        for worker in self.registry.of_provider(policy.name):
+            if worker.eviction is not None and worker.eviction < policy.eviction:
+                # Its secret was rotated away (the broadcast may not have come).
+                self.close_worker(worker, 1008, SECRET_ROTATED)
 
     def reserved_for_others(self, provider: str, models: Iterable[str]) -> list[str]:
         """Which of ``models`` another provider declared exclusive."""
@@ -162,6 +170,16 @@ class ProviderTable:
         """The backend model id ``model`` names at ``provider``: its own alias, else the
         server-wide alias, else the name itself."""
         return provider.policy.aliases.get(model) or self.config.aliases.get(model) or model
+
+    def knows(self, model: str) -> bool:
+        """Whether a request for ``model`` would be admitted now (not 404)."""
+        try:
+            self._candidates(model)
+        except ModelNotFound:
+            return False
+        except RelayError:
+            return True  # known, but refused for another reason (a disabled provider)
+        return True
 
     def _candidates(self, model: str) -> list[tuple[ProviderState, str]]:
         """Enabled providers that can serve ``model`` (with the model id it names there,

@@ -42,12 +42,42 @@ class Relay(Dispatcher):
         features: Iterable[str] = (),
         refuses: Callable[[RelayRequest], str | None] | None = None,
     ) -> tuple[Worker, list[str]]:
-        """Register a worker; returns it and the warnings for its ``register_ack``.
+        """Register a worker and start routing to it; returns it and the warnings of its
+        ``register_ack`` (:meth:`admit_worker` and :meth:`start_worker` in one step)."""
+        worker, ack = self.admit_worker(
+            provider=provider,
+            name=name,
+            models=models,
+            max_concurrent=max_concurrent,
+            current_load=current_load,
+            link=link,
+            peer=peer,
+            protocol_version=protocol_version,
+            features=features,
+            refuses=refuses,
+        )
+        self.start_worker(worker, ack)
+        return worker, list(ack.warnings)
 
-        The caller sends the ack (with ``worker.models``) before anything else can be
-        dispatched to it: this method only queues frames on the link, in order.
-        ``refuses`` is for workers that cannot take every request (see
-        :attr:`Worker.refuses`); queued work is handed to the worker before this returns.
+    def admit_worker(
+        self,
+        *,
+        provider: str,
+        name: str,
+        models: list[str],
+        max_concurrent: int,
+        current_load: int,
+        link: WorkerLink,
+        peer: str = "",
+        protocol_version: str | None = None,
+        features: Iterable[str] = (),
+        refuses: Callable[[RelayRequest], str | None] | None = None,
+    ) -> tuple[Worker, protocol.RegisterAck]:
+        """The worker a ``register`` describes, and the ``register_ack`` it is owed.
+
+        Nothing is routed to it and nothing is sent yet: in cluster mode the edge first
+        makes the worker known to every process (so no process answers 404 for a model
+        it was acked for), then calls :meth:`start_worker`.
         """
         state = self.providers.get(provider)
         cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
@@ -73,29 +103,34 @@ class Relay(Dispatcher):
             features=frozenset(features) & frozenset(protocol.FEATURES),
             refuses=refuses,
         )
+        worker.model_set = frozenset(worker.models)
         worker.report_load(current_load)
-        link.send(
-            protocol.RegisterAck(
-                worker_id=worker.id,
-                models=list(worker.models),
-                protocol_version=protocol.PROTOCOL_VERSION,
-                warnings=warnings,
-                heartbeat_interval_secs=self.config.heartbeat_interval,
-                features=sorted(worker.features),
-            )
+        ack = protocol.RegisterAck(
+            worker_id=worker.id,
+            models=list(worker.models),
+            protocol_version=protocol.PROTOCOL_VERSION,
+            warnings=warnings,
+            heartbeat_interval_secs=self.config.heartbeat_interval,
+            features=sorted(worker.features),
         )
+        return worker, ack
+
+    def start_worker(self, worker: Worker, ack: protocol.RegisterAck) -> None:
+        """Send the worker its ``register_ack`` and start routing to it; queued work is
+        offered to it before this returns (after the ack, on the same ordered link)."""
+        worker.last_pong = self.loop.time()
+        worker.link.send(ack)
         self.registry.add(worker)
         logger.info(
             "worker registered: %s (%s) provider=%s models=%s max_concurrent=%d",
             worker.name,
             worker.id,
-            provider,
+            worker.provider,
             ",".join(worker.models),
-            concurrency,
+            worker.max_concurrent,
         )
         self._ensure_heartbeat()
         self._offer(worker)
-        return worker, warnings
 
     def _acceptable(
         self, provider: str, models: list[str], cap: int

@@ -67,6 +67,7 @@ class RelayRequest:
         "_waiter",
         "body",
         "buffer",
+        "cluster_seq",
         "created",
         "created_wall",
         "deadline",
@@ -167,6 +168,9 @@ class RelayRequest:
         #: "origin" where its client is, "worker" where its worker is, "" otherwise.
         self.lease: str | None = None
         self.relay_role = ""
+        #: Cluster mode: the request's place in the cluster-wide arrival order (0 until
+        #: the shared queue gave it one); kept when it is placed again after a requeue.
+        self.cluster_seq = 0
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -260,6 +264,9 @@ class Worker:
     protocol_version: str | None = None
     #: Protocol extensions the worker announced (``register.features``).
     features: frozenset[str] = frozenset()
+    #: Its provider's ``eviction`` when it was admitted (see
+    #: :class:`~relay.core.config.ProviderPolicy`); None: not tracked.
+    eviction: int | None = None
     draining: bool = False
     requests_served: int = 0
     in_flight: dict[str, RelayRequest] = field(default_factory=dict)

@@ -33,6 +33,7 @@ from relay.core import snapshot
 from relay.core.keystats import fold
 from relay.server import runtime
 from relay.server.admin.api import DRAIN_TIMEOUT_RULE, valid_drain_timeout
+from relay.server.cluster.control import ClusterUnreachable
 
 logger = logging.getLogger("relay.pages")
 
@@ -161,16 +162,23 @@ async def worker_action(request: HttpRequest, worker_id: str, action: str) -> Ht
     if not await user.ahas_perm(DRAIN_PERMISSION):
         return forbidden("you may not drain or refresh workers")
     rt = runtime.current()
-    if action == "drain":
-        try:  # before anything changes
-            timeout = _drain_timeout(request)
-        except BadInput as exc:
-            return JsonResponse({"detail": str(exc)}, status=400)
-        done = await rt.drain(worker_id, drain_secs=timeout, reason="drained from the dashboard")
-    elif action == "refresh":
-        done = await rt.refresh(worker_id, reason="requested from the dashboard")
-    else:
-        return JsonResponse({"detail": f"unknown action '{action}'"}, status=404)
+    try:
+        if action == "drain":
+            try:  # before anything changes
+                timeout = _drain_timeout(request)
+            except BadInput as exc:
+                return JsonResponse({"detail": str(exc)}, status=400)
+            done = await rt.drain(
+                worker_id, drain_secs=timeout, reason="drained from the dashboard"
+            )
+        elif action == "refresh":
+            done = await rt.refresh(worker_id, reason="requested from the dashboard")
+        else:
+            return JsonResponse({"detail": f"unknown action '{action}'"}, status=404)
+    except ClusterUnreachable as exc:
+        return JsonResponse(
+            {"detail": f"the other server processes cannot be reached: {exc}"}, status=503
+        )
     if not done:
         return JsonResponse({"detail": f"no connected worker '{worker_id}'"}, status=404)
     logger.info("%s: %s by %s", action, worker_id, user.get_username())

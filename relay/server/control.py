@@ -16,7 +16,9 @@ from typing import Any
 from django.conf import settings
 
 from relay.server import runtime as _runtime
-from relay.server.cluster.control import GROUP
+from relay.server.cluster.control import GROUP, ClusterUnreachable
+
+__all__ = ["ClusterUnreachable"]
 
 logger = logging.getLogger("relay.runtime")
 
@@ -31,12 +33,14 @@ async def workers() -> list[dict[str, object]]:
 
 
 async def drain(worker_id: str, *, drain_secs: float | None = None, reason: str) -> bool:
-    """Drain a worker connected to any process; on the relay's loop."""
+    """Drain a worker connected to any process; on the relay's loop. Raises
+    :class:`ClusterUnreachable` when the other processes cannot be asked."""
     return await _runtime.current().drain(worker_id, drain_secs=drain_secs, reason=reason)
 
 
 async def refresh(worker_id: str, *, reason: str) -> bool:
-    """Ask a worker connected to any process for its models; on the relay's loop."""
+    """Ask a worker connected to any process for its models; on the relay's loop. Raises
+    :class:`ClusterUnreachable` when the other processes cannot be asked."""
     return await _runtime.current().refresh(worker_id, reason=reason)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
-from relay.core import snapshot
+from relay.core import providers, snapshot
 from relay.core.config import RelayConfig
 from relay.core.keycache import KeyCache
 from relay.core.keystats import KeyStats, key_name, key_rows
@@ -28,6 +28,7 @@ from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server import store
 from relay.server.bookkeeper import Bookkeeper, in_thread
+from relay.server.cluster.control import TROUBLE as CLUSTER_TROUBLE
 from relay.server.cluster.control import Cluster, close_workers_of
 from relay.server.cluster.limits import RedisLimitStore
 from relay.server.cluster.placement import RedisPlacement
@@ -40,7 +41,7 @@ logger = logging.getLogger("relay.runtime")
 
 #: The close reason workers see when an operator rotates their provider's secret and
 #: disconnects them.
-SECRET_ROTATED = "provider secret rotated"
+SECRET_ROTATED = providers.SECRET_ROTATED
 
 
 def relay_config() -> RelayConfig:
@@ -96,6 +97,8 @@ class Runtime:
                 settings.REDIS_PREFIX,
                 self.relay.instance,
                 lease_secs=settings.LIMITS_LEASE_SECS,
+                spend_source=lambda at: in_thread(store.load_spend, at),
+                calendar=lambda: self.limiter.calendar.at(self.limiter.clock()),
             )
         else:
             self.limit_store = MemoryLimitStore()
@@ -113,6 +116,9 @@ class Runtime:
         )
         self.sockets = 0
         self._sockets_gone = asyncio.Event()
+        #: HTTP requests this process is serving now (any path).
+        self.http_open = 0
+        self._http_idle = asyncio.Event()
         self._poke = asyncio.Event()
         self._loaded = asyncio.Event()
         self._keys_version: tuple[object, int] | None = None
@@ -136,6 +142,8 @@ class Runtime:
                 settings.REDIS_URL,
                 settings.REDIS_PREFIX,
                 self.cluster_token,
+                tick=settings.CLUSTER_TICK_SECS,
+                ttl=settings.CLUSTER_TTL_SECS,
             )
             self.relay.placement = self.placement
             self.metrics.collector.cluster = self.placement.describe
@@ -206,7 +214,8 @@ class Runtime:
         return snapshot.workers(self.relay)
 
     async def drain(self, worker_id: str, *, drain_secs: float | None = None, reason: str) -> bool:
-        """Drain a worker connected here or, with Redis, to another process."""
+        """Drain a worker connected here or, with Redis, to another process (raises
+        :class:`~relay.server.cluster.control.ClusterUnreachable` when Redis cannot say)."""
         if self.relay.drain_worker(worker_id, timeout=drain_secs, reason=reason):
             return True
         return self.cluster is not None and await self.cluster.forward(
@@ -228,7 +237,11 @@ class Runtime:
         """
         closed = close_workers_of(self.relay, provider, reason)
         if self.cluster is not None:
-            closed += await self.cluster.disconnect_provider(provider, reason)
+            try:
+                closed += await self.cluster.disconnect_provider(provider, reason)
+            except CLUSTER_TROUBLE as exc:
+                # The other processes evict them anyway at their next provider sync.
+                logger.warning("could not tell the other processes to disconnect: %s", exc)
         if closed:
             logger.info("disconnected %d worker(s) of provider %s: %s", closed, provider, reason)
         return closed
@@ -288,8 +301,19 @@ class Runtime:
             self._sockets_gone.set()
 
     async def shutdown(self) -> None:
-        """Graceful stop: drain the relay, close workers with 1012, wait for the closes."""
-        await self.relay.shutdown(settings.SHUTDOWN_GRACE_SECS)
+        """Graceful stop: drain the relay, close workers with 1012, wait for the closes.
+
+        In cluster mode the server has stopped listening (new connections go to the
+        other processes); the requests already on their way in are still admitted and
+        placed on the other processes' workers (ours take nothing new), so that none of
+        them gets a 503 a load balancer would not retry."""
+        grace = settings.SHUTDOWN_GRACE_SECS
+        started = self.loop.time()
+        if self.placement is not None and self.placement.active:
+            self.placement.leaving()  # no process places anything more on our workers
+            await self._requests_done(grace)
+        grace = max(0.0, grace - (self.loop.time() - started))
+        await self.relay.shutdown(grace)
         await self.bookkeeper.flush()
         if self.sockets > 0:
             try:
@@ -298,6 +322,25 @@ class Runtime:
             except TimeoutError:
                 logger.warning("%d worker socket(s) did not close in time", self.sockets)
         await self.aclose()
+
+    def http_started(self) -> None:
+        self.http_open += 1
+        self._http_idle.clear()
+
+    def http_finished(self) -> None:
+        self.http_open -= 1
+        if self.http_open <= 0:
+            self._http_idle.set()
+
+    async def _requests_done(self, limit: float) -> None:
+        """Wait (at most ``limit`` seconds) until no HTTP request is being served."""
+        if self.http_open <= 0:
+            return
+        try:
+            async with asyncio.timeout(limit):
+                await self._http_idle.wait()
+        except TimeoutError:
+            logger.warning("%d HTTP request(s) still open after the grace", self.http_open)
 
     async def aclose(self) -> None:
         for task in self._tasks:

@@ -30,6 +30,7 @@ def provider_policy(provider: Provider, config: RelayConfig) -> ProviderPolicy:
         queue_timeout=provider.queue_timeout_secs,
         request_timeout=provider.request_timeout_secs,
         max_models_per_worker=provider.max_models_per_worker,
+        eviction=provider.eviction,
     )
 
 

@@ -44,8 +44,9 @@ DROPPED_RESPONSE_HEADERS = frozenset(
 
 
 #: Response headers only the relay may set: a worker cannot plant cookies for the
-#: relay's origin or widen (or duplicate) its CORS policy.
-RELAY_OWNED_PREFIXES = ("set-cookie", "access-control-")
+#: relay's origin or widen (or duplicate) its CORS policy, and ``x-modelrelay-`` names
+#: carry signals between server processes, which nothing a worker sends may forge.
+RELAY_OWNED_PREFIXES = ("set-cookie", "access-control-", "x-modelrelay-")
 
 
 def forwarded_request_headers(

@@ -25,6 +25,7 @@ from keys.services import create_key, revoke_key, update_key
 from relay.core import snapshot
 from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
+from relay.server.cluster.control import ClusterUnreachable
 from relay.server.cluster.limits import RedisLimitStore
 
 #: The longest drain deadline an operator may set: a day. A draining worker takes no new
@@ -179,14 +180,22 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
 async def drain(request: HttpRequest, worker_id: str, payload: DrainIn | None = None) -> Any:
     payload = payload or DrainIn()
     rt = runtime.current()
-    if not await rt.drain(worker_id, drain_secs=payload.timeout_secs, reason=payload.reason):
+    try:
+        drained = await rt.drain(worker_id, drain_secs=payload.timeout_secs, reason=payload.reason)
+    except ClusterUnreachable as exc:
+        raise HttpError(503, f"the other server processes cannot be reached: {exc}") from exc
+    if not drained:
         raise HttpError(404, f"no connected worker with id '{worker_id}'")
     return Status(202, {"id": worker_id, "status": "draining"})
 
 
 @api.post("/workers/{worker_id}/refresh", response={202: Accepted})
 async def refresh(request: HttpRequest, worker_id: str) -> Any:
-    if not await runtime.current().refresh(worker_id, reason="operator"):
+    try:
+        asked = await runtime.current().refresh(worker_id, reason="operator")
+    except ClusterUnreachable as exc:
+        raise HttpError(503, f"the other server processes cannot be reached: {exc}") from exc
+    if not asked:
         raise HttpError(404, f"no connected worker with id '{worker_id}'")
     return Status(202, {"id": worker_id, "status": "refresh requested"})
 

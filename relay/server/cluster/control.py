@@ -15,6 +15,11 @@ every process
 
 Token chunks never travel through here (see SPEC §2: the Redis layer is far too
 slow for them); only rare control messages do.
+
+The loop is supervised like the placement's: any failure (Redis restarted, flushed,
+a connection killed) ends one session, and the next one starts after a short backoff,
+re-creating this process's group membership (which a flush loses) and its published
+worker list; the membership is also re-asserted every few seconds while all is well.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from channels.layers import BaseChannelLayer, get_channel_layer
+from redis.exceptions import RedisError
 
 from relay.core import snapshot
 from relay.core.relay import Relay
@@ -36,6 +42,15 @@ logger = logging.getLogger("relay.cluster")
 GROUP = "modelrelay.control"
 PUBLISH_EVERY = 1.0
 PUBLISH_TTL = 5
+#: The group membership is re-asserted this often (a flushed Redis forgets it).
+REJOIN_EVERY = 5.0
+#: After a failed session, the next one starts this soon, doubling up to a second.
+RETRY_SECS = 0.1
+TROUBLE = (RedisError, OSError, TimeoutError)
+
+
+class ClusterUnreachable(Exception):
+    """The other processes cannot be reached through Redis right now."""
 
 
 class Cluster:
@@ -56,29 +71,57 @@ class Cluster:
         return f"{self.prefix}:instance:{self.instance}"
 
     async def run(self) -> None:
-        """Owned by the runtime: listen for control messages and publish our workers."""
-        self.channel = await self.layer.new_channel()
+        """Owned by the runtime: listen for control messages and publish our workers,
+        restarted after every failure for as long as the process runs."""
+        delay = RETRY_SECS
+        try:
+            while True:
+                started = asyncio.get_running_loop().time()
+                try:
+                    await self._session()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    level = logging.WARNING if isinstance(exc, TROUBLE) else logging.ERROR
+                    logger.log(level, "cluster control loop failed (%s); restarting it", exc)
+                if asyncio.get_running_loop().time() - started > 2 * PUBLISH_EVERY:
+                    delay = RETRY_SECS  # it ran for a while: start over quickly
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, PUBLISH_EVERY)
+        finally:
+            try:
+                if self.channel is not None:
+                    await self.layer.group_discard(GROUP, self.channel)
+                await self.redis.delete(self._key)
+            except Exception:
+                logger.warning("could not deregister from Redis on shutdown")
+            await self.redis.aclose()
+
+    async def _session(self) -> None:
+        if self.channel is None:
+            self.channel = await self.layer.new_channel()
         await self.layer.group_add(GROUP, self.channel)
         publisher = asyncio.get_running_loop().create_task(self._publish())
         try:
-            while True:
-                message = await self.layer.receive(self.channel)
+            while not publisher.done():
+                receive = asyncio.ensure_future(self.layer.receive(self.channel))
+                try:
+                    await asyncio.wait({receive, publisher}, return_when="FIRST_COMPLETED")
+                finally:
+                    if not receive.done():
+                        receive.cancel()
+                        await asyncio.wait({receive})
+                if receive.cancelled():
+                    break
+                message = receive.result()  # raises what failed it
                 try:
                     self.handle(message)
                 except Exception:
                     logger.exception("control message %r failed", message.get("type"))
+            publisher.result()
         finally:
             publisher.cancel()
-            try:
-                await publisher
-            except asyncio.CancelledError:
-                pass
-            try:
-                await self.layer.group_discard(GROUP, self.channel)
-                await self.redis.delete(self._key)
-                await self.redis.aclose()
-            except Exception:
-                logger.warning("could not deregister from Redis on shutdown")
+            await asyncio.wait({publisher})
 
     def handle(self, message: dict[str, Any]) -> None:
         logger.debug("control message: %s", message)
@@ -100,16 +143,21 @@ class Cluster:
                 close_workers_of(relay, message["provider"], message["reason"])
 
     async def _publish(self) -> None:
+        """Publish our worker list every second and re-assert our group membership every
+        few; a failure ends the session (and the next one starts over)."""
+        loop = asyncio.get_running_loop()
+        joined = loop.time()
         while True:
-            try:
-                document = {
-                    "instance": self.instance,
-                    "channel": self.channel,
-                    "workers": snapshot.workers(self.relay),
-                }
-                await self.redis.set(self._key, json.dumps(document), ex=PUBLISH_TTL)
-            except Exception:
-                logger.warning("could not publish worker list to Redis", exc_info=True)
+            document = {
+                "instance": self.instance,
+                "channel": self.channel,
+                "workers": snapshot.workers(self.relay),
+            }
+            await self.redis.set(self._key, json.dumps(document), ex=PUBLISH_TTL)
+            if loop.time() - joined >= REJOIN_EVERY:
+                assert self.channel is not None
+                await self.layer.group_add(GROUP, self.channel)
+                joined = loop.time()
             await asyncio.sleep(PUBLISH_EVERY)
 
     async def instances(self) -> list[dict[str, Any]]:
@@ -119,11 +167,17 @@ class Cluster:
         return [json.loads(raw) for raw in await self.redis.mget(keys) if raw]
 
     async def workers(self) -> list[dict[str, Any]]:
-        """Workers of every live process (ours fresh, others as last published)."""
+        """Workers of every live process (ours fresh, others as last published); only
+        ours while Redis cannot be reached (logged: ``/health`` says it)."""
         out = snapshot.workers(self.relay)
         for worker in out:
             worker["instance"] = self.instance
-        for document in await self.instances():
+        try:
+            documents = await self.instances()
+        except TROUBLE as exc:
+            logger.warning("listing the other processes' workers failed: %s", exc)
+            return out
+        for document in documents:
             if document["instance"] == self.instance:
                 continue
             for worker in document["workers"]:
@@ -132,7 +186,14 @@ class Cluster:
         return out
 
     async def forward(self, kind: str, worker_id: str, **fields: Any) -> bool:
-        """Send ``relay.<kind>`` to the process holding ``worker_id``; False if none does."""
+        """Send ``relay.<kind>`` to the process holding ``worker_id``; False if none does.
+        Raises :class:`ClusterUnreachable` when Redis cannot be asked."""
+        try:
+            return await self._forward(kind, worker_id, fields)
+        except TROUBLE as exc:
+            raise ClusterUnreachable(str(exc) or exc.__class__.__name__) from exc
+
+    async def _forward(self, kind: str, worker_id: str, fields: dict[str, Any]) -> bool:
         for document in await self.instances():
             if document["instance"] == self.instance or not document.get("channel"):
                 continue

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -128,14 +128,20 @@ end
 return 0
 """
 
-#: KEYS: live. ARGV: process, lease ms, forget ms.
+#: KEYS: live. ARGV: process, lease ms, forget ms. Returns 1 when this process's lease
+#: was gone (Redis restarted, flushed or evicted it, or the process stalled past it).
 BEAT = (
     _NOW
     + """
+local lost = 1
+local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if lease and tonumber(lease) >= now then
+  lost = 0
+end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return 0
+return lost
 """
 )
 
@@ -151,8 +157,24 @@ def _unless_cancelled(exc: BaseException | None = None) -> None:
         raise asyncio.CancelledError() from exc
 
 
+#: What the token counters of each key should hold (day, month) per the request log, read
+#: when Redis lost them (its restart, a flush, an eviction).
+SpendSource = Callable[[Periods], Awaitable[dict[int, tuple[int, int]]]]
+
+
 class RedisLimitStore:
-    def __init__(self, url: str, prefix: str, instance: str, *, lease_secs: float = 15.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        instance: str,
+        *,
+        lease_secs: float = 15.0,
+        spend_source: SpendSource | None = None,
+        calendar: Callable[[], Periods] | None = None,
+    ) -> None:
+        """``spend_source`` and ``calendar``: where the tokens spent so far are read
+        back from after Redis lost its counters, and the periods of now."""
         self.redis = aioredis.from_url(
             url,
             decode_responses=True,
@@ -172,6 +194,10 @@ class RedisLimitStore:
         self._repair: set[int] = set()
         self._pending: list[tuple[int, bool, int, Periods]] = []
         self._wake = asyncio.Event()
+        self._spend_source = spend_source
+        self._calendar = calendar
+        #: Times this store found its lease gone and re-asserted what it holds.
+        self.recoveries = 0
 
     def _key(self, *parts: object) -> str:
         return ":".join((self.prefix, *map(str, parts)))
@@ -350,8 +376,49 @@ class RedisLimitStore:
                         pipe.hset(self._key("slots", key_id), self.instance, count)
                     else:
                         pipe.hdel(self._key("slots", key_id), self.instance)
-                await pipe.execute()
+                lost, *_ = await pipe.execute()
         except _FAILURES as exc:
             self._repair |= repair
             _unless_cancelled(exc)
             logger.warning("could not renew this process's lease in Redis: %s", exc)
+            return
+        if int(lost):
+            await self._recover()
+
+    async def _recover(self) -> None:
+        """Our lease was gone: Redis may have lost every counter. Re-assert the slots this
+        process holds, and put back the tokens spent so far where a counter is missing
+        (from the request log, which every process writes: the first to get there wins)."""
+        self.recoveries += 1
+        logger.warning("limit store: this process's lease was gone; re-asserting its slots")
+        self._repair |= set(self.held)
+        if self._spend_source is None or self._calendar is None:
+            return
+        at = self._calendar()
+        try:
+            spend = await self._spend_source(at)
+        except Exception:
+            logger.warning("could not read the tokens spent from the request log", exc_info=True)
+            return
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for key_id, (day, month) in spend.items():
+                    now = at.day_ends - DAY
+                    pipe.set(
+                        self._key("day", key_id, at.day),
+                        day,
+                        nx=True,
+                        px=int((at.day_ends - now + DAY) * 1000),
+                    )
+                    pipe.set(
+                        self._key("month", key_id, at.month),
+                        month,
+                        nx=True,
+                        px=int((at.month_ends - now + DAY) * 1000),
+                    )
+                await pipe.execute()
+        except _FAILURES as exc:
+            _unless_cancelled(exc)
+            logger.warning("could not put the tokens spent back in Redis: %s", exc)
+            return
+        await self._heartbeat()  # the slots now, not a beat later

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from relay.server import runtime
 from relay.server.http import info
 from relay.server.http.inference import TOKEN_HEADER_B, inference, placed_here
 from relay.server.http.request import (
@@ -36,6 +37,14 @@ class RelayHttpApp:
         if scope["type"] != "http":
             await self.fallback(scope, receive, send)
             return
+        rt = runtime.current()
+        rt.http_started()  # a stopping server lets these finish (see Runtime.shutdown)
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            rt.http_finished()
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         flavor = route_table().get(path)
         headers = scope["headers"]

@@ -16,7 +16,7 @@ from relay.server.http.request import (
 )
 from relay.server.http.respond import respond
 from relay.server.http.send import Receive, Scope, Send, send_error, send_simple
-from relay.wire.errors import BadRequest, Flavor, RelayError
+from relay.wire.errors import BadRequest, Flavor, RelayError, WorkerUnavailable
 from relay.wire.headers import forwarded_request_headers
 
 TOKEN_HEADER_B = TOKEN_HEADER.encode()
@@ -51,6 +51,9 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         relay.record_rejection(err, "", path, False, None)
         await send_error(send, err, flavor, cors)
         return
+    if rt.placement is not None and not relay.knows(model):
+        # A worker may have registered a moment ago at another process.
+        await rt.placement.learn(model)
     ticket = None
     if key_id is not None:
         try:  # the key's limits (SPEC §13): one Redis round trip at most
@@ -113,7 +116,11 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         placement.release(worker_id, lease)
         return
     except (RelayError, ValueError, UnicodeDecodeError) as exc:
-        placement.release(worker_id, lease)
+        worker = relay.registry.workers.get(worker_id)
+        if isinstance(exc, WorkerUnavailable) and worker is not None and relay.full(worker):
+            placement.refused(worker_id, lease)  # Redis lost reservations: resync first
+        else:
+            placement.release(worker_id, lease)
         err = exc if isinstance(exc, RelayError) else BadRequest("Malformed internal request")
         await send_error(send, err, flavor)
         return

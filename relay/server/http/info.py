@@ -83,6 +83,11 @@ async def models(scope: Scope, send: Send, path: str) -> None:
         if scope["method"] not in ("GET", "HEAD"):
             raise MethodNotAllowed("Use GET for /v1/models", allow="GET, HEAD")
         key_id, _ = rt.authenticate(scope["headers"], flavor)
+        single = path not in ("/v1/models", "/v1/models/")
+        if single and rt.placement is not None:
+            wanted = path[len("/v1/models/") :]
+            if not rt.relay.knows(wanted):  # it may have registered a moment ago elsewhere
+                await rt.placement.learn(wanted)
         models = rt.relay.routable_models()
         if key_id is not None:
             limits = rt.key_limits(key_id)
@@ -102,7 +107,7 @@ async def models(scope: Scope, send: Send, path: str) -> None:
             owner = ",".join(sorted(models[model]))
             return {"id": model, "object": "model", "created": created, "owned_by": owner}
 
-        if path not in ("/v1/models", "/v1/models/"):
+        if single:
             model_id = path[len("/v1/models/") :]
             if model_id not in models:
                 raise ModelNotFound(model_id)

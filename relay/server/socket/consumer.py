@@ -136,6 +136,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     _register_timer: asyncio.TimerHandle | None = None
     _audit: asyncio.Task[Any] | None = None
     _secret_hash: str = ""
+    _eviction: int = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """Read and dispatch frames in a plain loop.
@@ -212,6 +213,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             return
         rt.throttle.success(self.peer)
         self._secret_hash = provider.secret_hash
+        self._eviction = provider.eviction
         if not provider.enabled:
             logger.warning("worker refused: provider %s is disabled", provider.name)
             await self._refuse(f"provider '{provider.name}' is disabled")
@@ -283,7 +285,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             self._violation(f"unsupported protocol version {version[:40]!r}")
             return
         assert self.link is not None
-        worker, warnings = rt.relay.attach_worker(
+        worker, ack = rt.relay.admit_worker(
             provider=self.provider_name,
             name=msg.worker_name,
             models=msg.models,
@@ -294,8 +296,16 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             protocol_version=version,
             features=msg.features,
         )
+        worker.eviction = self._eviction
+        if rt.placement is not None:
+            # Known to every process before it is acked: no process may then answer
+            # 404 for its models (SPEC §11). Frames wait meanwhile (one at a time).
+            await rt.placement.join(worker)
+            if self.link.closed_with is not None:
+                return  # closed meanwhile (rotated, server stopping)
+        rt.relay.start_worker(worker, ack)
         self.worker = worker
-        for warning in warnings:
+        for warning in ack.warnings:
             logger.warning("worker %s register: %s", worker.name, warning)
         self._audit = asyncio.get_running_loop().create_task(self._open_session(worker))
 

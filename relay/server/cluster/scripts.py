@@ -1,0 +1,368 @@
+"""The Lua scripts behind :mod:`relay.server.cluster.state`: each decision that must be
+atomic across server processes runs in Redis alone.
+
+Keys are those listed in :mod:`relay.server.cluster.state`. A worker counts as live only
+while its process's address key exists *and* that process lists it (``pw``): the
+per-model sets (``m``) are hints, pruned of anything a live process does not confirm,
+so a worker can never be offered after its process dropped it or died.
+"""
+
+from __future__ import annotations
+
+#: Lua shared by the scripts that look at workers.
+_LIVE = """
+-- The worker's row when it is live and (if ``model`` is given) acked for it, else nil.
+local function live(P, wid, model)
+  local w = redis.call('HMGET', P .. ':w:' .. wid, 'proc', 'max', 'draining', 'picky', 'provider')
+  if not w[1] or redis.call('EXISTS', P .. ':proc:' .. w[1]) == 0 then
+    return nil
+  end
+  if redis.call('SISMEMBER', P .. ':pw:' .. w[1], wid) == 0 then
+    return nil
+  end
+  if model and redis.call('SISMEMBER', P .. ':wm:' .. wid, model) == 0 then
+    return nil
+  end
+  return w
+end
+"""
+
+#: Lua shared by the scripts that take entries out of the shared queue.
+_LANES = """
+local function drop_lane_if_empty(P, provider, lane)
+  if lane ~= 'requeued' and redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
+    redis.call('LREM', P .. ':qr:' .. provider, 1, lane)
+    redis.call('HDEL', P .. ':qc:' .. provider, lane)
+    redis.call('HDEL', P .. ':qw:' .. provider, lane)
+  end
+end
+
+local function unqueue(P, provider, lane, entry)
+  local model = redis.call('HGET', P .. ':qe:' .. entry, 'model')
+  if redis.call('ZREM', P .. ':q:' .. provider, entry) == 1 and model then
+    redis.call('HINCRBY', P .. ':qm:' .. provider, model, -1)
+  end
+  redis.call('ZREM', P .. ':ql:' .. provider .. ':' .. lane, entry)
+  redis.call('DEL', P .. ':qe:' .. entry)
+  if redis.call('ZCARD', P .. ':q:' .. provider) == 0 then
+    redis.call('DEL', P .. ':qm:' .. provider)  -- (any drift ends with the queue)
+  end
+end
+"""
+
+PLACE = (
+    _LIVE
+    + """
+local P, provider, model = ARGV[1], ARGV[2], ARGV[3]
+local now, lease, lease_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local origin, deadline = ARGV[7], tonumber(ARGV[8])
+local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
+local lane, weight = ARGV[12], tonumber(ARGV[13])
+local own_lease_ms = tonumber(ARGV[14])
+local members_key = P .. ':m:' .. provider .. ':' .. model
+local best, ties, near = nil, {}, {}
+for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
+  local w = live(P, wid, model)
+  if not w then
+    redis.call('SREM', members_key, wid)
+  elseif w[3] ~= '1' and (plain == '1' or w[4] ~= '1') then
+    local leases = P .. ':l:' .. wid
+    redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+    local load = redis.call('ZCARD', leases)
+    if load < tonumber(w[2]) then
+      if best == nil or load < best then
+        best, ties, near = load, {}, {}
+      end
+      if load == best then
+        table.insert(ties, wid)
+        if w[1] == origin then
+          table.insert(near, wid)  -- connected to the process that has the request
+        end
+      end
+    end
+  end
+end
+if seq == 0 then
+  seq = redis.call('INCR', P .. ':seq')
+end
+if #ties > 0 then
+  local pool = ties
+  if #near > 0 then
+    pool = near
+  end
+  table.sort(pool)
+  local turn = redis.call('INCR', P .. ':rr:' .. provider)
+  local wid = pool[(turn % #pool) + 1]
+  local proc = redis.call('HGET', P .. ':w:' .. wid, 'proc')
+  if proc == origin then  -- the request is there already: held until its deadline
+    lease_ms = own_lease_ms
+  end
+  redis.call('ZADD', P .. ':l:' .. wid, now + lease_ms, lease)
+  return {'placed', wid, proc, redis.call('GET', P .. ':proc:' .. proc) or '', seq}
+end
+local queue = P .. ':q:' .. provider
+if max_queue >= 0 and redis.call('ZCARD', queue) >= max_queue then
+  return {'full', '', '', '', seq}
+end
+if redis.call('ZADD', queue, seq, lease) == 1 then
+  redis.call('HINCRBY', P .. ':qm:' .. provider, model, 1)
+end
+local lane_key = P .. ':ql:' .. provider .. ':' .. lane
+if lane ~= 'requeued' then
+  local weights = P .. ':qw:' .. provider
+  if redis.call('ZCARD', lane_key) == 0 then
+    redis.call('RPUSH', P .. ':qr:' .. provider, lane)  -- joins at the back, full credit
+    redis.call('HSET', P .. ':qc:' .. provider, lane, weight)
+  elseif tonumber(redis.call('HGET', weights, lane) or weight) ~= weight then
+    local credits = P .. ':qc:' .. provider
+    local credit = tonumber(redis.call('HGET', credits, lane) or weight)
+    redis.call('HSET', credits, lane, math.min(credit, weight))
+  end
+  redis.call('HSET', weights, lane, weight)
+end
+redis.call('ZADD', lane_key, seq, lease)
+redis.call('HSET', P .. ':qe:' .. lease, 'model', model, 'origin', origin, 'deadline', deadline,
+           'plain', plain, 'lane', lane)
+redis.call('PEXPIREAT', P .. ':qe:' .. lease, deadline)
+return {'queued', '', '', '', seq}
+"""
+)
+
+RELEASE = (
+    _LIVE
+    + _LANES
+    + """
+local P, wid, lease = ARGV[1], ARGV[2], ARGV[3]
+local now, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local leases = P .. ':l:' .. wid
+if lease ~= '' then
+  redis.call('ZREM', leases, lease)
+end
+local w = live(P, wid, nil)
+if not w or w[3] == '1' then
+  return false
+end
+redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
+if redis.call('ZCARD', leases) >= tonumber(w[2]) then
+  return false
+end
+local provider = w[5]
+local models = {}
+for _, m in ipairs(redis.call('SMEMBERS', P .. ':wm:' .. wid)) do
+  models[m] = true
+end
+
+-- The oldest entry of a lane this worker can serve (dead entries are pruned on the way).
+local function oldest(lane)
+  local lane_key = P .. ':ql:' .. provider .. ':' .. lane
+  local start = 0
+  while true do
+    local batch = redis.call('ZRANGE', lane_key, start, start + 63)
+    if #batch == 0 then
+      return nil
+    end
+    local kept = 0
+    for _, entry in ipairs(batch) do
+      local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline', 'plain')
+      if not e[1] or tonumber(e[3]) <= now or redis.call('EXISTS', P .. ':proc:' .. e[2]) == 0 then
+        unqueue(P, provider, lane, entry)
+      elseif models[e[1]] and (w[4] ~= '1' or e[4] == '1') then
+        return {entry, e[2]}
+      else
+        kept = kept + 1
+      end
+    end
+    start = start + kept
+  end
+end
+
+-- The slot goes to ``found``: reserved, and recorded where its process looks for it
+-- (the notice on its channel may be lost; the record is read back within a second).
+local function take(lane, found)
+  unqueue(P, provider, lane, found[1])
+  redis.call('ZADD', leases, now + lease_ms, found[1])
+  local address = redis.call('GET', P .. ':proc:' .. w[1]) or ''
+  local where = wid .. ' ' .. w[1] .. ' ' .. address
+  redis.call('SET', P .. ':pl:' .. found[1], where, 'PX', lease_ms)
+  if found[2] ~= w[1] then
+    redis.call('PUBLISH', P .. ':ctl:' .. found[2], 'placed ' .. found[1] .. ' ' .. where)
+  end
+  return {found[1], found[2], where}
+end
+
+local found = oldest('requeued')
+if found then
+  return take('requeued', found)  -- it had its turn already: nothing is charged
+end
+local ring = P .. ':qr:' .. provider
+for _, lane in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+  found = oldest(lane)
+  if found then
+    local result = take(lane, found)
+    if redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
+      drop_lane_if_empty(P, provider, lane)
+    elseif redis.call('HINCRBY', P .. ':qc:' .. provider, lane, -1) <= 0 then
+      -- the lane's turn is over: to the back of the ring, credit refilled
+      local weight = redis.call('HGET', P .. ':qw:' .. provider, lane) or '1'
+      redis.call('HSET', P .. ':qc:' .. provider, lane, weight)
+      redis.call('LREM', ring, 1, lane)
+      redis.call('RPUSH', ring, lane)
+    end
+    return result
+  end
+  drop_lane_if_empty(P, provider, lane)  -- when pruning emptied it
+end
+return false
+"""
+)
+
+WITHDRAW = (
+    _LANES
+    + """
+local P, provider, entry = ARGV[1], ARGV[2], ARGV[3]
+local lane = redis.call('HGET', P .. ':qe:' .. entry, 'lane') or ARGV[4]
+unqueue(P, provider, lane, entry)
+drop_lane_if_empty(P, provider, lane)
+-- A slot found for it that it never took: the worker's id, for the caller to release.
+local placed = redis.call('GET', P .. ':pl:' .. entry)
+redis.call('DEL', P .. ':pl:' .. entry)
+if placed then
+  return string.match(placed, '^(%S+)')
+end
+return false
+"""
+)
+
+EXTEND = """
+local P, wid, lease, expiry = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4])
+if redis.call('EXISTS', P .. ':w:' .. wid) == 1 then
+  redis.call('ZADD', P .. ':l:' .. wid, 'XX', expiry, lease)
+end
+return 1
+"""
+
+#: One process re-asserts everything it owns, whatever Redis lost meanwhile (a restart,
+#: FLUSHALL, an eviction, its own stall past the TTL): its address, its worker list, each
+#: worker's row, models and the reservations of the requests it runs, and drops the
+#: reservations it released while Redis could not hear it. Idempotent: run every second.
+#: Returns the workers with a free slot while the queue holds entries for their models.
+ANNOUNCE = """
+local P, inst, address = ARGV[1], ARGV[2], ARGV[3]
+local ttl, now, count = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+redis.call('SET', P .. ':proc:' .. inst, address, 'PX', ttl)
+redis.call('SADD', P .. ':procs', inst)
+local pw = P .. ':pw:' .. inst
+redis.call('DEL', pw)
+local feed = {}
+local i = 7
+for _ = 1, count do
+  local wid, provider, most, draining, picky = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3],
+    ARGV[i + 4]
+  local nmodels = tonumber(ARGV[i + 5])
+  i = i + 6
+  redis.call('SADD', pw, wid)
+  local wkey = P .. ':w:' .. wid
+  redis.call('HSET', wkey, 'proc', inst, 'provider', provider, 'max', most,
+             'draining', draining, 'picky', picky)
+  redis.call('PEXPIRE', wkey, ttl)
+  local wm = P .. ':wm:' .. wid
+  redis.call('DEL', wm)
+  for _ = 1, nmodels do
+    local mkey = P .. ':m:' .. provider .. ':' .. ARGV[i]
+    redis.call('SADD', wm, ARGV[i])
+    redis.call('SADD', mkey, wid)
+    redis.call('PEXPIRE', mkey, ttl)
+    i = i + 1
+  end
+  redis.call('PEXPIRE', wm, ttl)
+  local wanted = false
+  for _, model in ipairs(redis.call('SMEMBERS', wm)) do
+    if tonumber(redis.call('HGET', P .. ':qm:' .. provider, model) or '0') > 0 then
+      wanted = true
+      break
+    end
+  end
+  local lkey = P .. ':l:' .. wid
+  local held = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, held do
+    redis.call('ZADD', lkey, tonumber(ARGV[i + 1]), ARGV[i])
+    i = i + 2
+  end
+  local released = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, released do
+    redis.call('ZREM', lkey, ARGV[i])
+    i = i + 1
+  end
+  redis.call('ZREMRANGEBYSCORE', lkey, '-inf', now)
+  redis.call('PEXPIRE', lkey, ttl)
+  if wanted and draining ~= '1' and redis.call('ZCARD', lkey) < tonumber(most) then
+    table.insert(feed, wid)
+  end
+end
+redis.call('PEXPIRE', pw, ttl)
+return feed
+"""
+
+#: provider -> models served by the live workers of every live process; dead processes
+#: leave the process list here.
+SERVED = """
+local P = ARGV[1]
+local out = {}
+for _, inst in ipairs(redis.call('SMEMBERS', P .. ':procs')) do
+  if redis.call('EXISTS', P .. ':proc:' .. inst) == 0 then
+    redis.call('SREM', P .. ':procs', inst)
+  else
+    for _, wid in ipairs(redis.call('SMEMBERS', P .. ':pw:' .. inst)) do
+      local provider = redis.call('HGET', P .. ':w:' .. wid, 'provider')
+      if provider then
+        for _, model in ipairs(redis.call('SMEMBERS', P .. ':wm:' .. wid)) do
+          table.insert(out, provider)
+          table.insert(out, model)
+        end
+      end
+    end
+  end
+end
+return out
+"""
+
+#: Which of the (provider, model) pairs a live worker somewhere serves now.
+LOOKUP = (
+    _LIVE
+    + """
+local P = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 2 do
+  local provider, model = ARGV[i], ARGV[i + 1]
+  for _, wid in ipairs(redis.call('SMEMBERS', P .. ':m:' .. provider .. ':' .. model)) do
+    if live(P, wid, model) then
+      table.insert(out, provider)
+      break
+    end
+  end
+end
+return out
+"""
+)
+
+#: Where each waiting entry stands: ``placed <worker> <owner> <address>`` (a slot was
+#: found for it and its notice may have been lost), ``queued``, or ``lost`` (the shared
+#: queue no longer holds it: Redis restarted or was flushed).
+WHERE = """
+local P = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 2 do
+  local provider, entry = ARGV[i], ARGV[i + 1]
+  local placed = redis.call('GET', P .. ':pl:' .. entry)
+  if placed then
+    table.insert(out, 'placed ' .. placed)
+  elseif redis.call('ZSCORE', P .. ':q:' .. provider, entry) then
+    table.insert(out, 'queued')
+  else
+    table.insert(out, 'lost')
+  end
+end
+return out
+"""
