@@ -415,3 +415,29 @@ async def test_a_rolling_restart_behind_nginx_fails_no_request(relay_server_fact
 
 async def _more(outcomes: list[Any], than: int) -> bool:
     return len(outcomes) > than
+
+
+async def test_a_process_with_other_credentials_stays_out_and_says_so(
+    relay_server_factory, tmp_path
+):
+    with (
+        private_redis(tmp_path / "redis") as (url, _),
+        cluster(relay_server_factory, 1, REDIS_URL=url, **FAST) as (a,),
+        relay_server_factory(
+            REDIS_URL=url,
+            REDIS_PREFIX=a.env["REDIS_PREFIX"],
+            MODELRELAY_SECRET_PEPPER="another-pepper",
+            **FAST,
+        ) as rogue,
+    ):
+        async with httpx.AsyncClient(timeout=15) as client, await connect(rogue) as ws:
+            await register(ws, models=["rogue-model"])
+
+            async def refused() -> bool:
+                state = (await health(client, rogue))["cluster"]
+                return state["state"] == "degraded" and "PEPPER" in state["problem"]
+
+            await until(refused, RECOVERY_SECS, "the other process to refuse to join")
+            assert (await health(client, a))["cluster"]["state"] == "ok"
+            models = {m["id"] for m in (await client.get(a.url + "/v1/models")).json()["data"]}
+            assert "rogue-model" not in models

@@ -28,6 +28,7 @@ from tests.clusterkit import (
 )
 from tests.live import LiveServer
 from tests.rawworker import connect, expect, register
+from tests.scriptedworker import ScriptedWorker
 from tests.test_e2e import running_worker
 from tests.upstream import expected_text, upstream_in_thread
 
@@ -99,6 +100,29 @@ async def test_clients_of_any_process_are_served_by_workers_of_any_other(
                         response = await client.post("/v1/chat/completions", json=body)
                         assert response.status_code == 200, response.text
             assert len(upstream.upstream.requests_to("/v1/chat/completions")) == 10
+
+
+async def test_among_equals_the_receiving_processs_own_workers_are_preferred(
+    relay_server_factory,
+):
+    """One idle worker at each process, one request at a time: each process sends its
+    own clients to its own worker (no hop between processes while it is as free)."""
+    with cluster(relay_server_factory, 2) as (a, b):
+        async with (
+            ScriptedWorker(a, ["m"], max_concurrent=4) as at_a,
+            ScriptedWorker(b, ["m"], max_concurrent=4) as at_b,
+            httpx.AsyncClient(timeout=15) as client,
+        ):
+            await knows(a, "m")
+            await knows(b, "m")
+            for server, own in ((a, at_a), (b, at_b), (a, at_a), (b, at_b)):
+                for _ in range(3):
+                    call = asyncio.ensure_future(
+                        client.post(server.url + CHAT, json={"model": "m"})
+                    )
+                    await own.answer(await own.next())
+                    assert (await call).status_code == 200
+            assert at_a.requests.empty() and at_b.requests.empty()
 
 
 async def test_capacity_is_never_exceeded_across_processes(relay_server_factory):

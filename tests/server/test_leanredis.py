@@ -208,3 +208,51 @@ async def test_nothing_listening_is_a_connection_error():
         async with asyncio.timeout(10):
             with pytest.raises(RedisConnectionError, match="cannot reach Redis"):
                 await Script(lean, "return 1")(args=[1])
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b":\xc2\xb2\r\n",  # a non-ASCII digit
+        b":+5\r\n",
+        b":1_000\r\n",
+        b": 7\r\n",
+        b"$-5\r\nxxxxx\r\n",  # a negative length other than "none"
+        b"*-2\r\n",
+        b"$\xd9\xa1\r\nx\r\n",  # Arabic-Indic one
+        b"$99999999999999999999999\r\n",  # beyond any size
+        b"*1\r\n:12a\r\n",
+    ],
+)
+async def test_malformed_numbers_from_redis_fail_the_call_and_nothing_else(reply):
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_command(reader)
+        writer.write(reply)
+        await writer.drain()
+        await reader.read()
+
+    async with fake_redis(answer) as url, lean_at(url) as lean:
+        async with asyncio.timeout(10):
+            with pytest.raises(RedisConnectionError, match=r"malformed|negative"):
+                await Script(lean, "return 1")(args=[1])
+
+
+def _in_two_parts(reply: bytes, cut: int) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_command(reader)
+        writer.write(reply[:cut])
+        await writer.drain()
+        await asyncio.sleep(0)
+        writer.write(reply[cut:])
+        await writer.drain()
+        await reader.read()
+
+    return handler
+
+
+async def test_a_reply_truncated_anywhere_waits_for_the_rest():
+    reply = b"*2\r\n$5\r\nhello\r\n:-12\r\n"
+    for cut in range(1, len(reply)):
+        async with fake_redis(_in_two_parts(reply, cut)) as url, lean_at(url) as lean:
+            async with asyncio.timeout(10):
+                assert await Script(lean, "return 1")(args=[1]) == [b"hello", -12]

@@ -4,7 +4,8 @@ Placing a request, releasing its slot and admitting its key are one Lua script e
 (:mod:`relay.server.cluster.state`, :mod:`relay.server.cluster.limits`). Through redis-py's
 asyncio client each call cost this process 110 to 170 µs of CPU (a connection taken from
 the pool and given back, a timeout wrapped around every read, the reply parsed in
-Python): more than the rest of the request. This client keeps one connection, writes
+Python; with hiredis parsing the replies, barely less): more than the rest of the
+request (``bench/redis_clients.py``, docs/CLUSTER.md). This client keeps one connection, writes
 each command as soon as it is called and matches replies to callers in order
 (pipelining for free when many requests are placed at once), and parses RESP2 replies
 with a few slices.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections import deque
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -55,6 +57,17 @@ class _Incomplete(Exception):
     pass
 
 
+_INTEGER = re.compile(rb"-?[0-9]{1,20}")
+
+
+def _integer(line: bytes) -> int:
+    """A RESP integer: ASCII digits with an optional minus, nothing else (``int()`` alone
+    would take ``+``, ``_``, spaces and non-ASCII digits)."""
+    if _INTEGER.fullmatch(line) is None:
+        raise RedisConnectionError(f"malformed number in a reply from Redis: {line[:30]!r}")
+    return int(line)
+
+
 def _parse(buf: bytes, pos: int) -> tuple[Reply, int]:
     """One RESP2 reply from ``buf`` at ``pos``: (value, position after it)."""
     end = buf.find(b"\r\n", pos)
@@ -63,14 +76,16 @@ def _parse(buf: bytes, pos: int) -> tuple[Reply, int]:
     kind, line = buf[pos : pos + 1], buf[pos + 1 : end]
     pos = end + 2
     if kind == b"$":
-        size = int(line)
-        if size < 0:
+        size = _integer(line)
+        if size == -1:
             return None, pos
+        if size < 0:
+            raise RedisConnectionError(f"negative length in a reply from Redis: {size}")
         if len(buf) < pos + size + 2:
             raise _Incomplete
         return buf[pos : pos + size], pos + size + 2
     if kind == b":":
-        return int(line), pos
+        return _integer(line), pos
     if kind == b"+":
         return line, pos
     if kind == b"-":
@@ -79,9 +94,11 @@ def _parse(buf: bytes, pos: int) -> tuple[Reply, int]:
             return NoScriptError(message), pos
         return ResponseError(message), pos
     if kind == b"*":
-        count = int(line)
-        if count < 0:
+        count = _integer(line)
+        if count == -1:
             return None, pos
+        if count < 0:
+            raise RedisConnectionError(f"negative count in a reply from Redis: {count}")
         items = []
         for _ in range(count):
             item, pos = _parse(buf, pos)

@@ -30,6 +30,7 @@ until a whole tick succeeds again; then everything waiting is placed cluster-wid
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Coroutine
@@ -43,7 +44,13 @@ from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.cluster.leanredis import lean_client
 from relay.server.cluster.proxy import ProxyPool
-from relay.server.cluster.state import ClusterState, Placed, WorkerRow, lane_of
+from relay.server.cluster.state import (
+    ClusterState,
+    CredentialsMismatch,
+    Placed,
+    WorkerRow,
+    lane_of,
+)
 from relay.wire.errors import QueueFull
 
 logger = logging.getLogger("relay.cluster")
@@ -59,7 +66,7 @@ JOIN_SECS = 2.0
 #: How long a reservation is kept past its request's deadline.
 LEASE_MARGIN_MS = 30_000
 #: Failures that make the process degraded: Redis or the network said no.
-TROUBLE = (aioredis.RedisError, OSError, TimeoutError)
+TROUBLE = (aioredis.RedisError, OSError, TimeoutError, CredentialsMismatch)
 
 
 def _now_ms() -> int:
@@ -88,6 +95,8 @@ class RedisPlacement:
         self.lean = lean_client(redis_url)
         self.state = ClusterState(self.redis, prefix, self.lean)
         self.proxies = ProxyPool(relay, token, self._release_unsent, self._unreachable)
+        #: What this process shows the others of its token (never the token itself).
+        self.credentials = hashlib.sha256(token.encode()).hexdigest()[:32]
         #: Where the other processes reach this one (set once the server listens).
         self.address: str | None = None
         self._listening = asyncio.Event()
@@ -367,7 +376,7 @@ class RedisPlacement:
         async with self._announcing:
             rows = self._rows(extra)
             feed = await self.state.announce(
-                self.instance, self.address, rows, _now_ms(), self.ttl_ms
+                self.instance, self.address, rows, _now_ms(), self.ttl_ms, self.credentials
             )
             for row in rows:  # Redis has heard of those releases now
                 left = self._released.get(row.worker_id)
@@ -476,7 +485,10 @@ class RedisPlacement:
 
     def _trouble(self, exc: BaseException) -> None:
         """Redis (or the way to it) failed: degraded until a whole tick succeeds."""
-        problem = f"Redis unreachable: {exc.__class__.__name__}: {str(exc)[:200]}"
+        if isinstance(exc, CredentialsMismatch):
+            problem = str(exc)
+        else:
+            problem = f"Redis unreachable: {exc.__class__.__name__}: {str(exc)[:200]}"
         if self.status != "degraded":
             logger.error("cluster degraded (%s): serving this process's workers only", problem)
             self.status = "degraded"

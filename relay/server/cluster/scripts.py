@@ -245,16 +245,26 @@ return 1
 #: FLUSHALL, an eviction, its own stall past the TTL): its address, its worker list, each
 #: worker's row, models and the reservations of the requests it runs, and drops the
 #: reservations it released while Redis could not hear it. Idempotent: run every second.
-#: Returns the workers with a free slot while the queue holds entries for their models.
+#: Returns ``ok`` and the workers with a free slot while the queue holds entries for their
+#: models, or ``mismatch``.
 ANNOUNCE = """
 local P, inst, address = ARGV[1], ARGV[2], ARGV[3]
 local ttl, now, count = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local credentials = ARGV[7]
+-- The cluster's credentials are those of the first process to announce itself; a process
+-- with others (another pepper) stays out rather than take requests it could not pass on.
+local known = redis.call('GET', P .. ':credentials')
+if not known then
+  redis.call('SET', P .. ':credentials', credentials)
+elseif known ~= credentials then
+  return {'mismatch'}
+end
 redis.call('SET', P .. ':proc:' .. inst, address, 'PX', ttl)
 redis.call('SADD', P .. ':procs', inst)
 local pw = P .. ':pw:' .. inst
 redis.call('DEL', pw)
-local feed = {}
-local i = 7
+local feed = {'ok'}
+local i = 8
 for _ = 1, count do
   local wid, provider, most, draining, picky = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3],
     ARGV[i + 4]

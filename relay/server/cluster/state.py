@@ -37,7 +37,9 @@ Keys (``P`` is REDIS_PREFIX):
   it is first; ``P:qc:<provider>`` and ``P:qw:<provider>`` (hashes): each ring lane's
   credit left in its turn and its weight. A lane is in the ring exactly while it
   holds entries (every script that adds or removes entries keeps that true);
-- ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals).
+- ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals);
+- ``P:credentials``: a fingerprint of the cluster token of the first process to announce
+  itself; a process with another one stays out.
 
 A reservation's id is its request's entry id, ``<instance>|<request id>``: unique, and
 the same string names the request's queue entry.
@@ -56,6 +58,10 @@ from relay.server.cluster.leanredis import LeanRedis, Script
 #: A reservation whose request has not reached its worker's process within this long
 #: lapses (the placing process died in between); on arrival it is extended.
 PENDING_LEASE_MS = 15_000
+
+
+class CredentialsMismatch(Exception):
+    """Redis holds another cluster's credentials (a process with another pepper)."""
 
 
 def lane_of(key_id: int | None, requeued: bool) -> str:
@@ -219,10 +225,20 @@ class ClusterState:
         workers: list[WorkerRow],
         now_ms: int,
         ttl_ms: int,
+        credentials: str,
     ) -> list[str]:
         """Re-assert this process and its workers (see :data:`scripts.ANNOUNCE`); the
-        workers that have a free slot while their provider's queue holds entries."""
-        args: list[Any] = [self.prefix, instance, address, ttl_ms, now_ms, len(workers)]
+        workers that have a free slot while their provider's queue holds entries.
+        Raises :class:`CredentialsMismatch` when the cluster's credentials are others."""
+        args: list[Any] = [
+            self.prefix,
+            instance,
+            address,
+            ttl_ms,
+            now_ms,
+            len(workers),
+            credentials,
+        ]
         for row in workers:
             args += [
                 row.worker_id,
@@ -237,7 +253,13 @@ class ClusterState:
             for lease, expiry in row.leases.items():
                 args += [lease, expiry]
             args += [len(row.released), *row.released]
-        return [self.decode(wid) for wid in await self._announce(args=args)]
+        status, *feed = [self.decode(item) for item in await self._announce(args=args)]
+        if status != "ok":
+            raise CredentialsMismatch(
+                "this process's cluster credentials differ from the cluster's: every process "
+                "must share MODELRELAY_SECRET_PEPPER (docs/CLUSTER.md)"
+            )
+        return feed
 
     async def remove_worker(self, instance: str, worker_id: str) -> None:
         """A worker left this process: no longer offered (its keys go with it)."""
