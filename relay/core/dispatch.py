@@ -78,6 +78,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
         self.placement: Placement | None = None
         #: Cluster mode: provider -> models served by workers of other processes.
         self.remote_models: dict[str, frozenset[str]] = {}
+        self.evicted: dict[str, int] = {}
 
     # ------------------------------------------------------------------ requests
 

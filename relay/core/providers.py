@@ -62,6 +62,9 @@ class ProviderTable:
     reserved: dict[str, str]
     #: Cluster mode: provider -> models served by workers of other processes.
     remote_models: dict[str, frozenset[str]]
+    #: provider -> workers closed because their secret was rotated away, not yet counted
+    #: by whoever asked for it (see :meth:`take_evicted`).
+    evicted: dict[str, int]
 
     if TYPE_CHECKING:  # provided by the dispatcher
         config: RelayConfig
@@ -99,6 +102,12 @@ class ProviderTable:
             if worker.eviction is not None and worker.eviction < policy.eviction:
                 # Its secret was rotated away (the broadcast may not have come).
                 self.close_worker(worker, 1008, SECRET_ROTATED)
+                self.evicted[policy.name] = self.evicted.get(policy.name, 0) + 1
+
+    def take_evicted(self, provider: str) -> int:
+        """How many workers of ``provider`` the provider sync closed for a rotated secret
+        since the last call (the rotation that asked for it counts them as its own)."""
+        return self.evicted.pop(provider, 0)
 
     def reserved_for_others(self, provider: str, models: Iterable[str]) -> list[str]:
         """Which of ``models`` another provider declared exclusive."""

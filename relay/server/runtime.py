@@ -235,7 +235,8 @@ class Runtime:
 
         Returns how many were closed here plus how many the other processes list.
         """
-        closed = close_workers_of(self.relay, provider, reason)
+        # (The provider sync may have closed some already: the row says so too.)
+        closed = close_workers_of(self.relay, provider, reason) + self.relay.take_evicted(provider)
         if self.cluster is not None:
             try:
                 closed += await self.cluster.disconnect_provider(provider, reason)

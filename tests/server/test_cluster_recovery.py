@@ -364,11 +364,12 @@ async def test_a_rotation_reaches_a_process_that_missed_the_broadcast(
             assert (code, reason) == (1008, "provider secret rotated")
 
 
+@pytest.mark.timeout(300)
 async def test_a_rolling_restart_behind_nginx_fails_no_request(relay_server_factory, tmp_path):
-    """SIGTERM each process in turn behind nginx round-robin and start it again, under
-    steady load from several clients: every request succeeds. A stopping process refuses
-    new connections (nginx sends them to the other), finishes what it has, and its
-    workers reconnect through nginx to the other process."""
+    """SIGTERM a process behind nginx round-robin and start it again, under steady load
+    from two clients: every request succeeds. A stopping process refuses new connections
+    (nginx sends them to the other), finishes what it has, and its workers reconnect
+    through nginx to the other process. (`make chaos` restarts every process in turn.)"""
     with (
         private_redis(tmp_path / "redis") as (url, _),
         cluster(relay_server_factory, 2, REDIS_URL=url, **FAST) as servers,
@@ -396,7 +397,7 @@ async def test_a_rolling_restart_behind_nginx_fails_no_request(relay_server_fact
 
                 load = [asyncio.ensure_future(steady()) for _ in range(2)]
                 try:
-                    for server in servers:
+                    for server in servers[:1]:
                         before = len(outcomes)
                         await asyncio.to_thread(server.restart)
                         await knows(server, "mock-model")
