@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import big_box, cluster, limits, peers, scenarios, targets
+from bench import big_box, classes, cluster, limits, peers, scenarios, targets
 from bench.procs import Processes
 from bench.profiler import Profiler, find_py_spy
 from bench.targets import RELAYS, ROOT
@@ -48,6 +48,10 @@ def settings(quick: bool) -> dict[str, Any]:
             "g_streams": 50,
             "h_requests": 5_000,
             "h_rounds": 2,
+            "i_service": 0.2,
+            "i_seconds": 6.0,
+            "i_slots": 4,
+            "i_trickle": 2.0,
         }
     return {
         "a_seconds": 10,
@@ -69,6 +73,10 @@ def settings(quick: bool) -> dict[str, Any]:
         "g_streams": 100,
         "h_requests": 20_000,
         "h_rounds": 5,
+        "i_service": 0.2,
+        "i_seconds": 30.0,
+        "i_slots": 4,
+        "i_trickle": 2.0,
     }
 
 
@@ -298,6 +306,9 @@ class Campaign:
             self.res["limits"] = asyncio.run(
                 limits.measure(self.s["h_requests"], self.s["h_rounds"], redis_url)
             )
+        if "i" in only:
+            self.log("priority classes (flex at 3x capacity, a default trickle):")
+            self.res["classes"] = classes.run(self.procs, self.workdir, self.s, self.log)
         if "e" in only:
             for name in names:
                 if name in RELAYS:

@@ -28,8 +28,22 @@ URL = "redis://127.0.0.1:6379/0"
 
 
 def _args(prefix: str, n: int) -> list[Any]:
-    return [prefix, "p", "m", int(time.time() * 1000), f"i|r-{n}", 15000, "i", 0, 0, -1, "1",
-            "anon", 1, 60000]
+    return [
+        prefix,
+        "p",
+        "m",
+        int(time.time() * 1000),
+        f"i|r-{n}",
+        15000,
+        "i",
+        0,
+        0,
+        -1,
+        "1",
+        "anon",
+        1,
+        60000,
+    ]
 
 
 async def _setup(prefix: str) -> None:
@@ -38,8 +52,10 @@ async def _setup(prefix: str) -> None:
     async with aioredis.from_url(URL) as r:
         await r.set(f"{prefix}:proc:i", "http://x", px=600_000)
         await r.sadd(f"{prefix}:pw:i", "w1")
-        await r.hset(f"{prefix}:w:w1", mapping={"proc": "i", "provider": "p", "max": 10**9,
-                                              "draining": "0", "picky": "0"})
+        await r.hset(
+            f"{prefix}:w:w1",
+            mapping={"proc": "i", "provider": "p", "max": 10**9, "draining": "0", "picky": "0"},
+        )
         await r.sadd(f"{prefix}:wm:w1", "m")
         await r.sadd(f"{prefix}:m:p:m", "w1")
 

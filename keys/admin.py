@@ -21,6 +21,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "prefix",
         "active",
         "weight",
+        "default_class",
+        "max_class",
         "limits",
         "expires_at",
         "created_at",
@@ -43,6 +45,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
                     "allowed_models",
                     "expires_at",
                     "weight",
+                    ("default_class", "max_class"),
                 ),
                 "description": "Over a limit a client gets 429 with Retry-After (403 for a "
                 "model not allowed, 401 once expired). See docs/OPERATIONS.md.",

@@ -9,8 +9,11 @@ from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
+from relay.core.classes import CLASSES, DEFAULT
 from relay.core.credentials import generate_secret, hash_secret, lookup_prefix
 from relay.core.limits import MAX_WEIGHT, KeyLimits
+
+CLASS_CHOICES = [(name, name) for name in CLASSES]
 
 
 def split_model_names(text: str) -> list[str]:
@@ -75,6 +78,20 @@ class ApiKey(models.Model):
         help_text="Share of the pool when keys compete for workers: a key of weight 3 "
         "gets three requests dispatched for every one of a key of weight 1.",
     )
+    default_class = models.CharField(
+        max_length=16,
+        choices=CLASS_CHOICES,
+        default=DEFAULT,
+        help_text="The priority class of a request that asks for none (service_tier or "
+        "X-Priority). priority goes first, flex runs on what is left and may be preempted.",
+    )
+    max_class = models.CharField(
+        max_length=16,
+        choices=CLASS_CHOICES,
+        default=DEFAULT,
+        help_text="The highest class this key's requests may ask for; asking above it is "
+        "clamped to it, not refused.",
+    )
 
     class Meta:
         ordering = ["-created_at"]
@@ -103,6 +120,8 @@ class ApiKey(models.Model):
             allowed_models=None if allowed is None else frozenset(allowed),
             expires_at=None if self.expires_at is None else self.expires_at.timestamp(),
             weight=self.weight,
+            default_class=self.default_class,
+            max_class=self.max_class,
         )
 
     def assign_new_secret(self) -> str:

@@ -12,6 +12,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from keys.models import ApiKey
+from relay.core.classes import CLASSES
 
 #: The fields of a key that are its limits (SPEC §13); None (or empty) means no limit.
 LIMIT_FIELDS = (
@@ -22,6 +23,8 @@ LIMIT_FIELDS = (
     "allowed_models",
     "expires_at",
     "weight",
+    "default_class",
+    "max_class",
 )
 
 
@@ -62,6 +65,11 @@ def set_limits(key: ApiKey, **limits: Any) -> None:
             value = _model_text(value)
         elif field == "weight" and value is None:
             value = 1
+        elif field in ("default_class", "max_class"):
+            if value is None:
+                value = "default"
+            if value not in CLASSES:
+                raise ValueError(f"{field}: must be one of {', '.join(CLASSES)}")
         elif field == "expires_at" and isinstance(value, dt.datetime) and value.tzinfo is None:
             value = value.replace(tzinfo=dt.UTC)
         setattr(key, field, value)

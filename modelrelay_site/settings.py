@@ -152,6 +152,10 @@ REDIS_PREFIX = env_str("REDIS_PREFIX", "modelrelay")
 CLUSTER_ADVERTISE_URL = env_str("CLUSTER_ADVERTISE_URL", "")
 # How often each process re-asserts its share of the cluster's state in Redis (and reads
 # back what it may have missed), and how long that state outlives a silent process.
+# Priority classes (SPEC §15): a request waiting longer than this counts one class higher
+# (0: never), and a flex request loses its slot to a higher class at most this often.
+PRIORITY_AGING_SECS = env_float("PRIORITY_AGING_SECS", 60.0)
+PRIORITY_MAX_PREEMPTIONS = env_int("PRIORITY_MAX_PREEMPTIONS", 3)
 CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:

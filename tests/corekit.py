@@ -66,6 +66,7 @@ def attach(
     name: str = "w",
     load: int = 0,
     refuses: Callable[[RelayRequest], str | None] | None = None,
+    features: list[str] | None = None,
 ) -> tuple[Worker, RecordingLink]:
     link = RecordingLink()
     worker, _ = relay.attach_worker(
@@ -76,6 +77,7 @@ def attach(
         current_load=load,
         link=link,
         refuses=refuses,
+        features=features or (),
     )
     return worker, link
 

@@ -164,11 +164,16 @@ def test_create_api_key_takes_its_limits_as_flags():
         "30d",
         "--weight",
         "2",
+        "--default-class",
+        "flex",
+        "--max-class",
+        "priority",
     )
     assert "key (shown once): mrk_" in output
     key = ApiKey.objects.get(name="lab")
     limits = key.limits()
     assert (limits.max_concurrent, limits.requests_per_minute, limits.weight) == (2, 30, 2)
+    assert (limits.default_class, limits.max_class) == ("flex", "priority")
     assert (limits.tokens_per_day, limits.tokens_per_month) == (50_000, 1_000_000)
     assert limits.allowed_models == {"llama3-8b", "qwen"}
     assert key.expires_at is not None
@@ -178,5 +183,7 @@ def test_create_api_key_takes_its_limits_as_flags():
     assert ApiKey.objects.get(name="dated").expires_at == dt.datetime(2031, 2, 3, tzinfo=dt.UTC)
     with pytest.raises(CommandError, match="weight"):
         run("create_api_key", "heavy", "--weight", "0")
+    with pytest.raises(CommandError, match="max-class"):
+        run("create_api_key", "rude", "--max-class", "urgent")
     with pytest.raises(CommandError, match="--expires"):
         run("create_api_key", "when", "--expires", "someday")

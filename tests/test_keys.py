@@ -219,11 +219,14 @@ async def test_limits_are_edited_in_the_django_admin(keyed):
         "expires_at_0": "",
         "expires_at_1": "",
         "weight": "5",
+        "default_class": "flex",
+        "max_class": "default",
     }
     response = await client.post(url, form)
     assert response.status_code == 302, response.content.decode()[:2000]
     key = await ApiKey.objects.aget(id=keyed.key.id)
     assert (key.max_concurrent, key.tokens_per_day, key.weight) == (2, 1000, 5)
+    assert (key.limits().default_class, key.limits().max_class) == ("flex", "default")
     assert key.allowed_model_list == ["a", "b", "c"]
     form["weight"] = "0"
     assert (await client.post(url, form)).status_code == 200  # the form, with the error

@@ -154,8 +154,10 @@ class RequestLogAdmin(ReadOnlyAdmin):
         "prompt_tokens",
         "completion_tokens",
         "requeues",
+        "service_class",
+        "preemptions",
     )
-    list_filter = ("outcome", "streamed", "endpoint", "provider", "status")
+    list_filter = ("outcome", "streamed", "endpoint", "provider", "status", "service_class")
     # Searching by key name or prefix shows one key's requests and its refusals
     # (outcomes such as over_daily_budget or over_concurrency, SPEC §13).
     search_fields = (

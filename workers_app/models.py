@@ -210,6 +210,8 @@ class RequestLog(models.Model):
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
     requeues = models.PositiveSmallIntegerField(default=0)
     cancel_reason = models.CharField(max_length=32, blank=True)
+    service_class = models.CharField(max_length=16, default="default")
+    preemptions = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(db_index=True)
 
     class Meta:

@@ -115,6 +115,8 @@ class ClusterSide:
         headers: dict[str, str],
         key_id: int | None,
         lifetime: float,
+        service_class: str = "default",
+        preemptions: int = 0,
     ) -> RelayRequest:
         """Admit a request another process placed on one of our workers (its slot is
         reserved under ``lease``). Raises :class:`WorkerUnavailable` when that worker can
@@ -148,6 +150,8 @@ class ClusterSide:
             raise WorkerUnavailable(spend=False)  # (the placing process checks this first)
         request.lease = lease
         request.relay_role = "worker"
+        request.service_class = service_class  # (for the request log written here)
+        request.preemptions = preemptions
         self.active += 1
         self._assign(request, worker, now)
         return request

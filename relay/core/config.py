@@ -45,6 +45,11 @@ class RelayConfig:
     record_buffer: int = 10_000
     #: Public model name -> backend model id, for every provider (MODEL_ALIASES).
     aliases: dict[str, str] = field(default_factory=dict)
+    #: Priority classes (SPEC §15): a request waiting longer than this counts one class
+    #: higher (None: never); a ``flex`` request loses its slot to a higher class at most
+    #: this often before its first byte, then keeps it.
+    priority_aging: float | None = 60.0
+    max_preemptions: int = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,10 +28,12 @@ import time
 from collections.abc import Callable
 
 from relay.core.capacity import Capacity
+from relay.core.classes import DEFAULT, RANK
 from relay.core.cluster import ClusterSide
 from relay.core.config import RelayConfig
 from relay.core.limits import Ticket
 from relay.core.placement import Placement
+from relay.core.preemption import Preemption
 from relay.core.providers import ProviderState, ProviderTable
 from relay.core.registry import Registry
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
@@ -54,7 +56,7 @@ logger = logging.getLogger("relay")
 Observer = Callable[[RequestRecord], None]
 
 
-class Dispatcher(ProviderTable, ClusterSide, Capacity):
+class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
     def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
@@ -93,8 +95,13 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
         headers: dict[str, str],
         key_id: int | None = None,
         ticket: Ticket | None = None,
+        service_class: str = DEFAULT,
     ) -> RelayRequest:
         """Admit a client request: assign it now, queue it, or raise a RelayError.
+
+        ``service_class`` is its priority class (SPEC §15), already clamped to what its
+        key may ask for: a higher class goes first, and a request above ``flex`` that
+        finds no free slot may take one from a ``flex`` request (:mod:`relay.core.preemption`).
 
         ``ticket`` is the API key's admission (:meth:`relay.core.limits.Limiter.admit`):
         the request owns it once this returns and closes it when it ends; when this
@@ -128,6 +135,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
             deadline=now + primary.policy.request_timeout,
         )
         request.ticket = ticket
+        request.service_class = service_class
+        request.rank = RANK[service_class]
         if self.clustered:
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.
@@ -149,7 +158,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
         except RelayError as exc:
             self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
             raise
-        if len(primary.queue) >= primary.policy.max_queue_len:
+        # The bound is per class: a flood of bulk work never gets people refused.
+        if len(primary.queue.classes[request.rank]) >= primary.policy.max_queue_len:
             logger.warning("queue full: provider=%s model=%s", primary.policy.name, model)
             full = QueueFull()
             self.record_rejection(full, model, endpoint_path, is_streaming, key_id)
@@ -157,6 +167,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
         self._aim(request, primary, primary_target)
         self.active += 1
         self._enqueue(primary, request, now)
+        self._preempt_for(primary, request)
         return request
 
     def _check_frame(
@@ -241,6 +252,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
             request.queue_wait += now - request.enqueued_at
             request.enqueued_at = None
         request.phase = Phase.ASSIGNED
+        request.assigned_at = now
         request.worker = worker
         request.worker_id = worker.id
         request.worker_name = worker.name

@@ -125,11 +125,12 @@ class FairQueue:
     def __len__(self) -> int:
         return self._size
 
-    def push(self, request: RelayRequest) -> None:
+    def push(self, request: RelayRequest, *, front: bool = False) -> None:
         """Queue a new arrival at the back of its key's lane, or a requeued request
-        (one dispatched before) ahead of every lane, in arrival order."""
+        (one dispatched before) ahead of every lane, in arrival order; ``front`` puts
+        any request there (one promoted from a lower class after waiting long)."""
         self._size += 1
-        if request.worker_id is not None:
+        if front or request.worker_id is not None:
             index = bisect.bisect_left(self._requeued_seqs, request.seq)
             self._requeued.insert(index, request)
             self._requeued_seqs.insert(index, request.seq)

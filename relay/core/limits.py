@@ -75,6 +75,10 @@ class KeyLimits:
     expires_at: float | None = None
     #: Share of the pool under contention, relative to other keys (default 1).
     weight: int = 1
+    #: Priority classes (SPEC §15): what a request that asks for none gets, and the
+    #: highest it may ask for.
+    default_class: str = "default"
+    max_class: str = "default"
 
     @property
     def counted(self) -> bool:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -49,9 +50,16 @@ def rewrite_model(body: str, model: str) -> str:
 class ProviderState:
     __slots__ = ("policy", "queue", "touched")
 
-    def __init__(self, policy: ProviderPolicy, touched: float) -> None:
+    def __init__(
+        self,
+        policy: ProviderPolicy,
+        touched: float,
+        *,
+        aging: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.policy = policy
-        self.queue = ProviderQueue()
+        self.queue = ProviderQueue(aging=aging, clock=clock)
         self.touched = touched
 
 
@@ -89,7 +97,12 @@ class ProviderTable:
         state = self.providers.get(policy.name)
         previous = state.policy.exclusive_models if state is not None else frozenset()
         if state is None:
-            self.providers[policy.name] = ProviderState(policy, self.loop.time())
+            self.providers[policy.name] = ProviderState(
+                policy,
+                self.loop.time(),
+                aging=self.config.priority_aging,
+                clock=self.loop.time,
+            )
         else:
             state.policy = policy
             state.touched = self.loop.time()

@@ -2,7 +2,10 @@
 
 The dispatcher (the only caller, always on the event loop) holds one queue per
 provider and uses nothing but :class:`WaitQueue`; the bound (MAX_QUEUE_LEN) and the
-deadlines are the dispatcher's. The order is :mod:`relay.core.fairqueue`'s: requeued
+deadlines are the dispatcher's. The order is the priority classes' first
+(:mod:`relay.core.classqueue`: the highest class with a compatible request, a request
+waiting past the aging bound counting one class higher), then, within a class,
+:mod:`relay.core.fairqueue`'s: requeued
 requests first, then API keys in weighted round-robin, FIFO within a key among the
 requests the freed worker can serve. Without API keys every request is in one lane
 and the order is the plain one: the oldest request whose model the worker was acked
@@ -20,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from relay.core.fairqueue import FairQueue, Refuses
+from relay.core.classqueue import ClassedQueue
+from relay.core.fairqueue import Refuses
 from relay.core.state import RelayRequest
 
 
@@ -57,6 +61,6 @@ class WaitQueue(Protocol):
         """Waiting requests per API key id (None: sent without a key)."""
 
 
-ProviderQueue = FairQueue
+ProviderQueue = ClassedQueue
 
 __all__ = ["ProviderQueue", "WaitQueue"]

@@ -51,6 +51,7 @@ def stats(relay: Relay) -> dict[str, Any]:
         providers[name] = {
             "enabled": state.policy.enabled,
             "queue_depth": len(state.queue),
+            "queue_by_class": state.queue.depth_by_class(),
             "workers": len(members),
             "load": sum(w.load for w in members),
             "capacity": sum(w.max_concurrent for w in members),
@@ -68,6 +69,8 @@ def stats(relay: Relay) -> dict[str, Any]:
             "completion": s.tokens_total("completion"),
         },
         "requeues": s.requeues,
+        "preemptions": s.preemptions,
+        "queue_by_class": _by_class(relay),
         "cancels": dict(sorted(s.cancels.items())),
         "dropped_worker_frames": s.dropped_frames,
         "streams": {
@@ -78,6 +81,15 @@ def stats(relay: Relay) -> dict[str, Any]:
             "pauses": s.pauses,
         },
     }
+
+
+def _by_class(relay: Relay) -> dict[str, int]:
+    """Queued requests by priority class, every provider together."""
+    out: dict[str, int] = {}
+    for state in relay.providers.values():
+        for service_class, count in state.queue.depth_by_class().items():
+            out[service_class] = out.get(service_class, 0) + count
+    return out
 
 
 def recent(
@@ -98,6 +110,8 @@ def recent(
                 "status": r.status,
                 "outcome": r.outcome,
                 "streamed": r.streamed,
+                "class": r.service_class,
+                "preemptions": r.preemptions,
                 "duration_ms": round(r.duration * 1000, 1),
                 "ttfb_ms": None if r.ttfb is None else round(r.ttfb * 1000, 1),
                 "at": r.created_at,

@@ -65,6 +65,7 @@ class RelayRequest:
     __slots__ = (
         "_events",
         "_waiter",
+        "assigned_at",
         "body",
         "buffer",
         "cluster_seq",
@@ -87,12 +88,15 @@ class RelayRequest:
         "paused",
         "pending",
         "phase",
+        "preemptions",
         "provider",
         "queue_deadline",
         "queue_wait",
+        "rank",
         "relay_role",
         "requeues",
         "seq",
+        "service_class",
         "status",
         "streamed_bytes",
         "ticket",
@@ -139,6 +143,8 @@ class RelayRequest:
         self.deadline = deadline
         self.queue_deadline = deadline
         self.enqueued_at: float | None = None
+        #: When it was last sent to a worker (loop time).
+        self.assigned_at = 0.0
         self.queue_wait = 0.0
         self.first_byte_at: float | None = None
         self.finished_at: float | None = None
@@ -168,6 +174,12 @@ class RelayRequest:
         #: "origin" where its client is, "worker" where its worker is, "" otherwise.
         self.lease: str | None = None
         self.relay_role = ""
+        #: Its priority class (SPEC §15) and rank (0 highest; one less than the class's
+        #: after waiting past the aging bound), and how often it lost its slot to a
+        #: request of a higher class before its first byte.
+        self.service_class = "default"
+        self.rank = 1
+        self.preemptions = 0
         #: Cluster mode: the request's place in the cluster-wide arrival order (0 until
         #: the shared queue gave it one); kept when it is placed again after a requeue.
         self.cluster_seq = 0
@@ -225,6 +237,8 @@ class RelayRequest:
             created_at=self.created_wall,
             cancel_reason=cancel_reason,
             relay_role=self.relay_role,
+            service_class=self.service_class,
+            preemptions=self.preemptions,
         )
 
     def __repr__(self) -> str:

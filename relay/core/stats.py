@@ -38,6 +38,9 @@ class RequestRecord:
     #: client-facing process counts outcomes and latencies, the worker's process
     #: writes the request log, key usage and tokens.
     relay_role: str = ""
+    #: Its priority class (SPEC §15), and how often it lost its slot to a higher one.
+    service_class: str = "default"
+    preemptions: int = 0
 
     @classmethod
     def rejected(
@@ -104,6 +107,8 @@ class RelayStats:
         self.dropped_frames = 0
         #: Times a worker was asked to pause a stream for a slow client.
         self.pauses = 0
+        #: Times a flex request lost its slot to a request of a higher class (SPEC §15).
+        self.preemptions = 0
         self.recent: deque[RequestRecord] = deque(maxlen=recent)
         self._models: set[str] = set()
         self._max_models = max_models

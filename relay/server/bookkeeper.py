@@ -178,6 +178,8 @@ _LOG_COLUMNS = (
     "completion_tokens",
     "requeues",
     "cancel_reason",
+    "service_class",
+    "preemptions",
     "created_at",
 )
 
@@ -214,6 +216,8 @@ def write_request_log(batch: list[RequestRecord]) -> None:
             r.completion_tokens,
             r.requeues,
             r.cancel_reason or "",
+            r.service_class,
+            min(r.preemptions, 32767),
             stamp(r.created_at),
         )
         for r in batch

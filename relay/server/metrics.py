@@ -74,6 +74,20 @@ class RelayCollector(Collector):
             value=stats.dropped_frames,
         )
         yield CounterMetricFamily(
+            "modelrelay_preemptions",
+            "Times a flex request lost its slot to a request of a higher class (SPEC §15).",
+            value=stats.preemptions,
+        )
+        by_class = GaugeMetricFamily(
+            "modelrelay_queue_depth_by_class",
+            "Queued requests by priority class (where they wait now: aged ones count higher).",
+            labels=["provider", "class"],
+        )
+        for name in sorted(relay.providers):
+            for service_class, count in relay.providers[name].queue.depth_by_class().items():
+                by_class.add_metric([name, service_class], count)
+        yield by_class
+        yield CounterMetricFamily(
             "modelrelay_stream_pauses",
             "Times a worker was asked to pause a stream for a client reading slower than it.",
             value=stats.pauses,
@@ -201,6 +215,13 @@ class RelayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.class_wait = Histogram(
+            "modelrelay_class_queue_wait_seconds",
+            "Time spent waiting in the queue, by priority class (SPEC §15).",
+            ["class"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def observe(self, record: RequestRecord) -> None:
         if not record.request_id or record.relay_role == "worker":
@@ -209,6 +230,7 @@ class RelayMetrics:
             return
         self.duration.labels(record.endpoint).observe(record.duration)
         self.queue_wait.labels(record.endpoint).observe(record.queue_wait)
+        self.class_wait.labels(record.service_class).observe(record.queue_wait)
         if record.ttfb is not None:
             self.ttfb.labels(record.endpoint).observe(record.ttfb)
 

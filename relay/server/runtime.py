@@ -17,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 
-from relay.core import providers, snapshot
+from relay.core import classes, providers, snapshot
 from relay.core.config import RelayConfig
 from relay.core.keycache import KeyCache
 from relay.core.keystats import KeyStats, key_name, key_rows
@@ -67,6 +67,8 @@ def relay_config() -> RelayConfig:
         drain_timeout=s.DRAIN_TIMEOUT_SECS,
         shutdown_grace=s.SHUTDOWN_GRACE_SECS,
         require_protocol_version=s.REQUIRE_PROTOCOL_VERSION,
+        priority_aging=s.PRIORITY_AGING_SECS or None,
+        max_preemptions=s.PRIORITY_MAX_PREEMPTIONS,
     )
 
 
@@ -175,6 +177,14 @@ class Runtime:
     def key_limits(self, key_id: int) -> KeyLimits:
         known = self.keys.get(key_id)
         return NO_LIMITS if known is None else known.limits
+
+    def service_class(self, key_id: int | None, wanted: str | None) -> str:
+        """The priority class a request gets (SPEC §15): what it asked for, else its key's
+        default, never above what its key may ask for. Without keys, what it asked for."""
+        if key_id is None:
+            return classes.resolve(wanted)
+        limits = self.key_limits(key_id)
+        return classes.resolve(wanted, limits.default_class, limits.max_class)
 
     async def admit(self, key_id: int, model: str) -> Ticket:
         """Check the key's limits for one request (SPEC §13); raises the error to send."""

@@ -41,6 +41,7 @@ CancelReason = Literal[
     # Extensions: sent only to workers announcing a feature (see the module docstring).
     "stream_limit",
     "slow_client",
+    "preempted",
 ]
 #: The reasons every worker understands (the reference set).
 BASE_CANCEL_REASONS = frozenset(

@@ -82,6 +82,12 @@
     setText("stat-capacity", workers.length ? load + " of " + capacity + " slots busy" : "none connected");
     setText("stat-inflight", fmtInt(s.in_flight));
     setText("stat-queued", fmtInt(s.queue_depth));
+    const byClass = s.queue_by_class || {};
+    const parts = ["priority", "default", "flex"]
+      .filter((c) => byClass[c])
+      .map((c) => fmtInt(byClass[c]) + " " + c);
+    if (s.preemptions) parts.push(fmtInt(s.preemptions) + " preempted");
+    setText("stat-queued-classes", parts.length ? parts.join(" · ") : "waiting for a worker");
     setText("stat-rate", Number(snap.rate_per_sec || 0).toFixed(snap.rate_per_sec >= 10 ? 0 : 2));
     setText("stat-total", fmtCompact(s.requests.total));
     setText("stat-uptime", "up " + fmtDuration(s.uptime_secs));

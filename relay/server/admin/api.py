@@ -10,7 +10,7 @@ from __future__ import annotations
 import hmac
 import math
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -82,6 +82,7 @@ def bad_request(request: HttpRequest, exc: ValidationError) -> HttpResponse:
 
 
 ModelName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^,\n]+$")]
+ServiceClass = Literal["priority", "default", "flex"]
 
 
 class KeyLimitsIn(Schema):
@@ -95,6 +96,9 @@ class KeyLimitsIn(Schema):
     allowed_models: list[ModelName] | None = Field(default=None, min_length=1, max_length=1000)
     expires_at: datetime | None = None
     weight: int | None = Field(default=None, ge=1, le=MAX_WEIGHT, strict=True)
+    #: Priority classes (SPEC §15); null: ``default``.
+    default_class: ServiceClass | None = None
+    max_class: ServiceClass | None = None
 
 
 class KeyIn(KeyLimitsIn):
@@ -125,6 +129,8 @@ class KeyOut(Schema):
     allowed_models: list[str] | None = None
     expires_at: datetime | None
     weight: int
+    default_class: str
+    max_class: str
 
     @staticmethod
     def resolve_allowed_models(obj: ApiKey) -> list[str] | None:

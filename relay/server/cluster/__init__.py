@@ -1,7 +1,9 @@
 """Several server processes sharing one worker pool through Redis (SPEC §11).
 
-``placement`` (where a request goes: reservations and the shared queue), ``state``
-(that shared state in Redis, as atomic scripts), ``proxy`` and ``peerhttp`` (a request
+``placement`` (where a request goes: reservations and the shared queue) with its
+``convergence`` (the control loop that brings every process back to the truth after any
+failure) and ``preempt`` (priority classes across processes), ``state`` and ``scripts``
+(that shared state in Redis, as atomic Lua scripts), ``proxy`` and ``peerhttp`` (a request
 served by another process's worker, over HTTP between the processes), ``control``
 (membership lists and control messages through the channel layer), ``limits`` (the
 per-key limit counters in Redis) and ``leanredis`` (the pipelined client the

@@ -14,23 +14,16 @@ A request placed on a worker of another process is assigned to a stand-in worker
 link forwards it there (:mod:`relay.server.cluster.proxy`); a request placed here by
 another process arrives through :func:`relay.server.http.inference.placed_here`.
 
-Everything converges back by itself (the controller idiom: observe, compare, act).
-One supervised loop, :meth:`RedisPlacement.run`, re-asserts this process's whole share
-of the shared state every :data:`TICK_SECS` — address, workers, models, the
-reservations of the requests it runs, the ones it released while Redis could not hear
-— so a Redis restart, a flush, an eviction or this process stalling past its TTL heals
-within a tick of Redis answering again. It also reads back where its waiting requests
-stand (a lost notice costs at most a tick), offers any free slot of its workers to the
-shared queue, and learns which models the other processes' workers serve. Any Redis
-error, wherever it happens, makes the process *degraded*: it places what waits here on
-its own workers (as a single process does) and says so in ``/health`` and ``/metrics``
-until a whole tick succeeds again; then everything waiting is placed cluster-wide again.
+It converges back by itself after any partial failure: its control loop is
+:mod:`relay.server.cluster.convergence`; requests of a class above ``flex`` ask the
+other processes for a slot a ``flex`` request may give up (:mod:`relay.server.cluster.preempt`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import time
 from collections.abc import Coroutine
@@ -38,17 +31,18 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from relay.core.classes import FLEX_RANK
 from relay.core.fairqueue import weight_of
 from relay.core.legacy.tasks import refusal
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
+from relay.server.cluster.convergence import LEASE_MARGIN_MS, TROUBLE, Convergence, now_ms
 from relay.server.cluster.leanredis import lean_client
+from relay.server.cluster.preempt import ClusterPreemption
 from relay.server.cluster.proxy import ProxyPool
 from relay.server.cluster.state import (
     ClusterState,
-    CredentialsMismatch,
     Placed,
-    WorkerRow,
     lane_of,
 )
 from relay.wire.errors import QueueFull
@@ -58,22 +52,9 @@ logger = logging.getLogger("relay.cluster")
 #: How often this process re-asserts its keys, and how long they outlive it.
 TICK_SECS = 1.0
 TTL_SECS = 5.0
-#: After a failed tick, the next attempt comes this soon, doubling up to a tick.
-RETRY_SECS = 0.1
-#: How long a new worker's registration waits for Redis before it is acked anyway
-#: (the process is degraded then, and routes the worker's models itself).
-JOIN_SECS = 2.0
-#: How long a reservation is kept past its request's deadline.
-LEASE_MARGIN_MS = 30_000
-#: Failures that make the process degraded: Redis or the network said no.
-TROUBLE = (aioredis.RedisError, OSError, TimeoutError, CredentialsMismatch)
 
 
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-class RedisPlacement:
+class RedisPlacement(Convergence, ClusterPreemption):
     def __init__(
         self,
         relay: Relay,
@@ -90,6 +71,9 @@ class RedisPlacement:
         self.instance = relay.instance
         self.tick = tick
         self.ttl_ms = max(1, int(ttl * 1000))
+        aging = relay.config.priority_aging
+        #: Priority classes (SPEC §15): the aging bound the shared queue applies (0: none).
+        self.aging_ms = 0 if aging is None else max(1, int(aging * 1000))
         self.redis = aioredis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
         #: The per-request scripts' own connection (None: they use ``self.redis``).
         self.lean = lean_client(redis_url)
@@ -121,6 +105,7 @@ class RedisPlacement:
         self.queue_depth = 0
         #: Set when the server stops: its workers are offered as draining from then on.
         self._leaving = False
+        self._asks = itertools.count()
 
     # -- the Placement protocol ------------------------------------------------------
 
@@ -136,7 +121,7 @@ class RedisPlacement:
     def withdraw(self, request: RelayRequest) -> None:
         entry = self._entry(request)
         if self.waiting.pop(entry, None) is not None:
-            lane = lane_of(request.key_id, request.worker_id is not None)
+            lane = lane_of(request.service_class, request.key_id, request.worker_id is not None)
             self._spawn(self._withdraw(entry, request.provider, lane))
 
     def freed(self, worker: Worker, lease: str | None) -> None:
@@ -152,22 +137,6 @@ class RedisPlacement:
     def worker_gone(self, worker: Worker) -> None:
         self._released.pop(worker.id, None)
         self._spawn(self.state.remove_worker(self.instance, worker.id))
-
-    # -- registering a worker ------------------------------------------------------
-
-    async def join(self, worker: Worker) -> None:
-        """Make a new worker of this process known to the cluster before it is acked,
-        so that no process answers 404 for its models once it is (SPEC §11).
-
-        Bounded by :data:`JOIN_SECS`: without Redis the process is degraded and the ack
-        goes out anyway (this process routes the worker's models itself)."""
-        if self.address is None:
-            return
-        try:
-            async with asyncio.timeout(JOIN_SECS):
-                await self._announce(extra=worker)
-        except TROUBLE as exc:
-            self._trouble(exc)
 
     # -- placing ---------------------------------------------------------------------
 
@@ -188,14 +157,15 @@ class RedisPlacement:
                 model=request.model,
                 entry=entry,
                 origin=self.instance,
-                now_ms=_now_ms(),
-                deadline_ms=_now_ms() + int(max(0.0, request.queue_deadline - now) * 1000),
+                now_ms=now_ms(),
+                deadline_ms=now_ms() + int(max(0.0, request.queue_deadline - now) * 1000),
                 hold_ms=int(max(0.0, request.deadline - now) * 1000) + LEASE_MARGIN_MS,
                 seq=request.cluster_seq,
                 max_queue=-1 if requeued or policy is None else policy.policy.max_queue_len,
                 plain=refusal(request) is None,
-                lane=lane_of(request.key_id, requeued),
+                lane=lane_of(request.service_class, request.key_id, requeued),
                 weight=weight_of(request),
+                service_class=request.service_class,
             )
         except TROUBLE as exc:
             self._trouble(exc)  # it waits here; this process's workers take it
@@ -207,6 +177,8 @@ class RedisPlacement:
         if kind == "placed":
             assert placed is not None
             self._take(entry, placed, held=True)
+        elif kind == "queued" and request.rank < FLEX_RANK:
+            await self._want_slot(request)
         elif kind == "full":
             self.waiting.pop(entry, None)
             logger.warning("queue full: provider=%s model=%s", request.provider, request.model)
@@ -257,7 +229,7 @@ class RedisPlacement:
         """Release ``lease`` on a worker; if that gave its slot to a queued request, tell
         that request's process. True when a request got the slot."""
         try:
-            popped = await self.state.release(worker_id, lease, _now_ms())
+            popped = await self.state.release(worker_id, lease, now_ms(), self.aging_ms)
         except TROUBLE as exc:
             if lease and worker_id in self.relay.registry.workers:
                 self._released.setdefault(worker_id, set()).add(lease)  # next tick drops it
@@ -273,6 +245,9 @@ class RedisPlacement:
 
     def _on_message(self, message: str) -> None:
         kind, _, rest = message.partition(" ")
+        if kind == "preempt":
+            self._spawn(self._preempt_for(rest))
+            return
         entry, _, where = rest.partition(" ")
         if kind == "placed" and entry and where:
             self._take(entry, Placed.parse(where))
@@ -294,7 +269,7 @@ class RedisPlacement:
         remaining = max(0.0, request.deadline - self.relay.loop.time())
         try:
             await self.state.extend(
-                worker_id, lease, _now_ms() + int(remaining * 1000) + LEASE_MARGIN_MS
+                worker_id, lease, now_ms() + int(remaining * 1000) + LEASE_MARGIN_MS
             )
         except TROUBLE as exc:
             self._trouble(exc)  # the next tick re-asserts the lease
@@ -339,185 +314,6 @@ class RedisPlacement:
         self._leaving = True
         self._poke.set()
 
-    # -- keeping the shared state true -----------------------------------------------
-
-    def _rows(self, extra: Worker | None = None) -> list[WorkerRow]:
-        now = self.relay.loop.time()
-        wall = _now_ms()
-        workers = list(self.relay.registry.workers.values())
-        if extra is not None and extra.id not in self.relay.registry.workers:
-            workers.append(extra)
-        rows = []
-        for worker in workers:
-            leases: dict[str, int] = {}
-            for request in worker.in_flight.values():
-                if not request.lease:  # assigned while Redis was away: count it now
-                    request.lease = self._entry(request)
-                remaining = max(0.0, request.deadline - now)
-                leases[request.lease] = wall + int(remaining * 1000) + LEASE_MARGIN_MS
-            rows.append(
-                WorkerRow(
-                    worker_id=worker.id,
-                    provider=worker.provider,
-                    max_concurrent=worker.max_concurrent,
-                    draining=worker.draining or self._leaving,
-                    picky=worker.refuses is not None,
-                    models=worker.models,
-                    leases=leases,
-                    released=tuple(self._released.get(worker.id, ())),
-                )
-            )
-        return rows
-
-    async def _announce(self, extra: Worker | None = None) -> list[str]:
-        """Re-assert everything this process owns in Redis (coalesced: one at a time);
-        the local workers with a free slot while their queue holds work."""
-        assert self.address is not None
-        async with self._announcing:
-            rows = self._rows(extra)
-            feed = await self.state.announce(
-                self.instance, self.address, rows, _now_ms(), self.ttl_ms, self.credentials
-            )
-            for row in rows:  # Redis has heard of those releases now
-                left = self._released.get(row.worker_id)
-                if left is not None:
-                    left.difference_update(row.released)
-                    if not left:
-                        del self._released[row.worker_id]
-            return feed
-
-    async def _feed(self, worker_id: str) -> None:
-        """Offer each free slot of a local worker to the shared queue."""
-        worker = self.relay.registry.workers.get(worker_id)
-        if worker is None or worker.draining:
-            return
-        for _ in range(max(0, worker.max_concurrent - len(worker.in_flight))):
-            if not await self._release(worker_id, ""):
-                return
-
-    async def _refresh(self, worker_id: str) -> None:
-        """A local worker registered or changed (models, drain): re-assert, then offer
-        its free slots."""
-        if self.address is None or not self.active:
-            return
-        try:
-            await self._announce()
-        except TROUBLE as exc:
-            self._trouble(exc)
-            return
-        await self._feed(worker_id)
-
-    async def _reconcile(self) -> None:
-        """Read back where each request waiting here stands: a slot found for it whose
-        notice was lost is taken now; an entry the shared queue lost is placed again."""
-        entries = [
-            (request.provider, entry)
-            for entry, request in self.waiting.items()
-            if entry not in self._placing
-        ]
-        statuses = await self.state.where(entries)
-        for (_, entry), status in zip(entries, statuses, strict=True):
-            request = self.waiting.get(entry)
-            if request is None or entry in self._placing:
-                continue  # it moved on meanwhile
-            if status.startswith("placed "):
-                logger.info("cluster: %s was given a slot whose notice was lost", entry)
-                self._take(entry, Placed.parse(status[len("placed ") :]))
-            elif status == "lost":
-                logger.info("cluster: the shared queue lost %s; placing it again", entry)
-                self._spawn(self._place(entry, request))
-
-    async def _learn_models(self) -> None:
-        """What the other processes' workers serve, so requests for it are admitted here.
-
-        Redis lists every live worker's models (ours too); a worker of ours serves its
-        own through the registry, the rest are the others'."""
-        served = await self.state.served_models()
-        local: dict[str, set[str]] = {}
-        for worker in self.relay.registry.workers.values():
-            local.setdefault(worker.provider, set()).update(worker.models)
-        self.relay.set_remote_models(
-            {p: frozenset(models - local.get(p, set())) for p, models in served.items()}
-        )
-
-    async def learn(self, model: str) -> bool:
-        """A request names a model no worker known here serves: ask Redis whether a live
-        worker anywhere does (it may have registered a moment ago at another process).
-        True when the model became routable here. (Also while this process is still
-        joining: it may have just started, before its first tick learned anything.)"""
-        if self.status == "degraded":
-            return False
-        relay = self.relay
-        pairs = [
-            (name, relay.resolve(state, model))
-            for name, state in relay.providers.items()
-            if state.policy.enabled
-        ]
-        try:
-            serving = await self.state.lookup(pairs)
-        except TROUBLE as exc:
-            self._trouble(exc)
-            return False
-        if not serving:
-            return False
-        models = dict(relay.remote_models)
-        for name, target in pairs:
-            if name in serving:
-                models[name] = models.get(name, frozenset()) | {target}
-        relay.set_remote_models(models)
-        return True
-
-    async def _tick(self) -> None:
-        """One pass of the control loop; raises on any Redis error."""
-        feed = await self._announce()
-        for entry, (provider, lane) in list(self._withdrawn.items()):
-            await self._withdraw(entry, provider, lane)
-        if not self.active:
-            self._recovered()
-        await self._reconcile()
-        for worker_id in feed:
-            await self._feed(worker_id)
-        await self._learn_models()
-        self.queue_depth = await self.state.queue_depth(list(self.relay.providers))
-        self.proxies.prune()
-
-    # -- state ---------------------------------------------------------------------------
-
-    def _trouble(self, exc: BaseException) -> None:
-        """Redis (or the way to it) failed: degraded until a whole tick succeeds."""
-        if isinstance(exc, CredentialsMismatch):
-            problem = str(exc)
-        else:
-            problem = f"Redis unreachable: {exc.__class__.__name__}: {str(exc)[:200]}"
-        if self.status != "degraded":
-            logger.error("cluster degraded (%s): serving this process's workers only", problem)
-            self.status = "degraded"
-            self.since = time.time()
-        self.problem = problem
-        self._poke.set()
-        # Meanwhile this process's workers take what waits here. (Their entries in the
-        # shared queue are kept track of: sorted out when Redis answers again.)
-        self.relay.dispatch_waiting()
-
-    def _recovered(self) -> None:
-        was = self.status
-        self.status = "ok"
-        self.problem = ""
-        self.since = time.time()
-        if was == "degraded":
-            self.recoveries += 1
-            logger.warning("cluster: Redis answers again; placing cluster-wide again")
-        else:
-            logger.info("cluster: joined through Redis as %s (%s)", self.instance, self.address)
-        for request in list(self.waiting.values()):
-            if request.phase is not Phase.QUEUED:  # served here meanwhile
-                self.withdraw(request)
-        # What still waits in the shared queue is read back by the tick (placed, queued
-        # or lost); what arrived meanwhile is placed now.
-        for request in self.relay.waiting_requests():
-            if self._entry(request) not in self.waiting:
-                self.place(request)
-
     def describe(self) -> dict[str, Any]:
         """For ``/health``, ``/admin/stats`` and ``/metrics``."""
         return {
@@ -550,86 +346,3 @@ class RedisPlacement:
         """The server listens: other processes reach this one at ``address``."""
         self.address = address
         self._listening.set()
-
-    async def run(self) -> None:
-        """Owned by the runtime: the control loop, restarted after every failure (with a
-        short backoff) for as long as the process runs."""
-        delay = RETRY_SECS
-        try:
-            while True:
-                try:
-                    await self._session()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    if not isinstance(exc, TROUBLE):
-                        logger.exception("cluster control loop failed; restarting it")
-                    self._trouble(exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.tick)
-        finally:
-            await self._stop()
-
-    async def _session(self) -> None:
-        """Tick until a tick fails; keep our channel subscribed meanwhile. A lost
-        subscription is renewed at once and followed by a tick, which reads back any
-        notice sent while it was down (so it costs nothing else)."""
-        await self._listening.wait()
-        listener: asyncio.Task[None] | None = None
-        try:
-            while True:
-                if listener is None or listener.done():
-                    if listener is not None and not listener.cancelled():
-                        logger.info(
-                            "cluster: notice channel lost (%s); renewing it", listener.exception()
-                        )
-                    listener = await self._subscribe()
-                self._poke.clear()
-                await self._tick()
-                poked = asyncio.ensure_future(self._poke.wait())
-                try:
-                    await asyncio.wait(
-                        {listener, poked}, timeout=self.tick, return_when="FIRST_COMPLETED"
-                    )
-                finally:
-                    poked.cancel()
-        finally:
-            if listener is not None:
-                listener.cancel()
-                await asyncio.wait({listener})
-
-    async def _subscribe(self) -> asyncio.Task[None]:
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        try:
-            await pubsub.subscribe(self.state.channel(self.instance))
-        except BaseException:
-            await pubsub.aclose()
-            raise
-        return asyncio.get_running_loop().create_task(self._listen(pubsub))
-
-    async def _listen(self, pubsub: Any) -> None:
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") == "message":
-                    self._on_message(ClusterState.decode(message["data"]))
-        finally:
-            try:
-                await pubsub.aclose()
-            except Exception:
-                pass
-
-    async def _stop(self) -> None:
-        self.status = "degraded"
-        self.problem = "stopped"
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks))
-        try:
-            await self.state.leave(self.instance)
-        except Exception:
-            pass
-        await self.proxies.aclose()
-        if self.lean is not None:
-            await self.lean.aclose()
-        await self.redis.aclose()

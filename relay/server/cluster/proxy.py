@@ -37,6 +37,8 @@ TOKEN_HEADER = "x-modelrelay-cluster"
 LEASE_HEADER = "x-modelrelay-lease"
 LIFETIME_HEADER = "x-modelrelay-lifetime"
 KEY_HEADER = "x-modelrelay-key"
+#: The request's priority class and how often it was preempted (for the request log).
+CLASS_HEADER = "x-modelrelay-class"
 #: The worker's process answers a request it could not start with this header:
 #: "spend" (it counts as a requeue) or "free" (it does not).
 REQUEUE_HEADER = "x-modelrelay-requeue"
@@ -175,6 +177,7 @@ class ProxyLink:
         headers[LIFETIME_HEADER] = f"{lifetime:.3f}"
         if request.key_id is not None:
             headers[KEY_HEADER] = str(request.key_id)
+        headers[CLASS_HEADER] = f"{request.service_class} {request.preemptions}"
         headers.setdefault("content-type", "application/json")
         answered = False
         try:

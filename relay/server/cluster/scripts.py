@@ -27,38 +27,51 @@ local function live(P, wid, model)
 end
 """
 
-#: Lua shared by the scripts that take entries out of the shared queue.
+#: Lua shared by the scripts that take entries out of the shared queue. A lane is named
+#: ``<class>:<key lane>`` or ``<class>:requeued``; each class has its own ring of key lanes.
 _LANES = """
+local function requeued(lane)
+  return string.sub(lane, -9) == ':requeued'
+end
+
+local function ring_of(P, provider, lane)
+  return P .. ':qr:' .. provider .. ':' .. string.match(lane, '^([^:]*)')
+end
+
 local function drop_lane_if_empty(P, provider, lane)
-  if lane ~= 'requeued' and redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
-    redis.call('LREM', P .. ':qr:' .. provider, 1, lane)
+  if not requeued(lane) and redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
+    redis.call('LREM', ring_of(P, provider, lane), 1, lane)
     redis.call('HDEL', P .. ':qc:' .. provider, lane)
     redis.call('HDEL', P .. ':qw:' .. provider, lane)
   end
 end
 
 local function unqueue(P, provider, lane, entry)
-  local model = redis.call('HGET', P .. ':qe:' .. entry, 'model')
-  if redis.call('ZREM', P .. ':q:' .. provider, entry) == 1 and model then
-    redis.call('HINCRBY', P .. ':qm:' .. provider, model, -1)
+  local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'class')
+  if redis.call('ZREM', P .. ':q:' .. provider, entry) == 1 then
+    if e[1] then
+      redis.call('HINCRBY', P .. ':qm:' .. provider, e[1], -1)
+    end
+    redis.call('HINCRBY', P .. ':qk:' .. provider, e[2] or string.match(lane, '^([^:]*)'), -1)
   end
   redis.call('ZREM', P .. ':ql:' .. provider .. ':' .. lane, entry)
   redis.call('DEL', P .. ':qe:' .. entry)
   if redis.call('ZCARD', P .. ':q:' .. provider) == 0 then
-    redis.call('DEL', P .. ':qm:' .. provider)  -- (any drift ends with the queue)
+    redis.call('DEL', P .. ':qm:' .. provider, P .. ':qk:' .. provider)  -- (any drift ends)
   end
 end
 """
 
 PLACE = (
     _LIVE
+    + _LANES
     + """
 local P, provider, model = ARGV[1], ARGV[2], ARGV[3]
 local now, lease, lease_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local origin, deadline = ARGV[7], tonumber(ARGV[8])
 local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local lane, weight = ARGV[12], tonumber(ARGV[13])
-local own_lease_ms = tonumber(ARGV[14])
+local own_lease_ms, class = tonumber(ARGV[14]), ARGV[15]
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties, near = nil, {}, {}
 for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
@@ -101,17 +114,20 @@ if #ties > 0 then
   return {'placed', wid, proc, redis.call('GET', P .. ':proc:' .. proc) or '', seq}
 end
 local queue = P .. ':q:' .. provider
-if max_queue >= 0 and redis.call('ZCARD', queue) >= max_queue then
+-- The bound is per class: a flood of bulk work never gets people refused.
+if max_queue >= 0 and tonumber(redis.call('HGET', P .. ':qk:' .. provider, class) or '0')
+    >= max_queue then
   return {'full', '', '', '', seq}
 end
 if redis.call('ZADD', queue, seq, lease) == 1 then
   redis.call('HINCRBY', P .. ':qm:' .. provider, model, 1)
+  redis.call('HINCRBY', P .. ':qk:' .. provider, class, 1)
 end
 local lane_key = P .. ':ql:' .. provider .. ':' .. lane
-if lane ~= 'requeued' then
+if not requeued(lane) then
   local weights = P .. ':qw:' .. provider
   if redis.call('ZCARD', lane_key) == 0 then
-    redis.call('RPUSH', P .. ':qr:' .. provider, lane)  -- joins at the back, full credit
+    redis.call('RPUSH', ring_of(P, provider, lane), lane)  -- joins at the back, full credit
     redis.call('HSET', P .. ':qc:' .. provider, lane, weight)
   elseif tonumber(redis.call('HGET', weights, lane) or weight) ~= weight then
     local credits = P .. ':qc:' .. provider
@@ -122,7 +138,7 @@ if lane ~= 'requeued' then
 end
 redis.call('ZADD', lane_key, seq, lease)
 redis.call('HSET', P .. ':qe:' .. lease, 'model', model, 'origin', origin, 'deadline', deadline,
-           'plain', plain, 'lane', lane)
+           'plain', plain, 'lane', lane, 'class', class, 'at', now)
 redis.call('PEXPIREAT', P .. ':qe:' .. lease, deadline)
 return {'queued', '', '', '', seq}
 """
@@ -133,7 +149,8 @@ RELEASE = (
     + _LANES
     + """
 local P, wid, lease = ARGV[1], ARGV[2], ARGV[3]
-local now, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5])
+local now, lease_ms, aging = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local CLASSES = {'priority', 'default', 'flex'}
 local leases = P .. ':l:' .. wid
 if lease ~= '' then
   redis.call('ZREM', leases, lease)
@@ -163,11 +180,12 @@ local function oldest(lane)
     end
     local kept = 0
     for _, entry in ipairs(batch) do
-      local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline', 'plain')
+      local e = redis.call('HMGET', P .. ':qe:' .. entry, 'model', 'origin', 'deadline', 'plain',
+                           'at')
       if not e[1] or tonumber(e[3]) <= now or redis.call('EXISTS', P .. ':proc:' .. e[2]) == 0 then
         unqueue(P, provider, lane, entry)
       elseif models[e[1]] and (w[4] ~= '1' or e[4] == '1') then
-        return {entry, e[2]}
+        return {entry, e[2], tonumber(e[5] or now)}
       else
         kept = kept + 1
       end
@@ -190,27 +208,61 @@ local function take(lane, found)
   return {found[1], found[2], where}
 end
 
-local found = oldest('requeued')
-if found then
-  return take('requeued', found)  -- it had its turn already: nothing is charged
-end
-local ring = P .. ':qr:' .. provider
-for _, lane in ipairs(redis.call('LRANGE', ring, 0, -1)) do
-  found = oldest(lane)
-  if found then
-    local result = take(lane, found)
-    if redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
-      drop_lane_if_empty(P, provider, lane)
-    elseif redis.call('HINCRBY', P .. ':qc:' .. provider, lane, -1) <= 0 then
-      -- the lane's turn is over: to the back of the ring, credit refilled
-      local weight = redis.call('HGET', P .. ':qw:' .. provider, lane) or '1'
-      redis.call('HSET', P .. ':qc:' .. provider, lane, weight)
-      redis.call('LREM', ring, 1, lane)
-      redis.call('RPUSH', ring, lane)
-    end
-    return result
+-- A lane's turn is charged one credit (its turn over: to the back of its ring).
+local function charge(lane)
+  if redis.call('ZCARD', P .. ':ql:' .. provider .. ':' .. lane) == 0 then
+    drop_lane_if_empty(P, provider, lane)
+  elseif redis.call('HINCRBY', P .. ':qc:' .. provider, lane, -1) <= 0 then
+    local weight = redis.call('HGET', P .. ':qw:' .. provider, lane) or '1'
+    redis.call('HSET', P .. ':qc:' .. provider, lane, weight)
+    local ring = ring_of(P, provider, lane)
+    redis.call('LREM', ring, 1, lane)
+    redis.call('RPUSH', ring, lane)
   end
-  drop_lane_if_empty(P, provider, lane)  -- when pruning emptied it
+end
+
+-- The highest class with a compatible entry goes first; inside a class, what was put
+-- back first, then the keys in turn. An entry that waited ``aging`` ms per class counts
+-- that many classes higher (its oldest compatible one per lane is looked at).
+for rank = 1, #CLASSES do
+  local class = CLASSES[rank]
+  local found = oldest(class .. ':requeued')
+  if found then
+    return take(class .. ':requeued', found)  -- it had its turn already: nothing is charged
+  end
+  if aging > 0 then
+    local best, best_lane, best_seq = nil, nil, nil
+    for lower = rank + 1, #CLASSES do
+      local lanes = redis.call('LRANGE', P .. ':qr:' .. provider .. ':' .. CLASSES[lower], 0, -1)
+      table.insert(lanes, CLASSES[lower] .. ':requeued')
+      for _, lane in ipairs(lanes) do
+        local candidate = oldest(lane)
+        if candidate and now - candidate[3] >= (lower - rank) * aging then
+          local seq = tonumber(redis.call('ZSCORE', P .. ':q:' .. provider, candidate[1]))
+          if best_seq == nil or seq < best_seq then
+            best, best_lane, best_seq = candidate, lane, seq
+          end
+        end
+      end
+    end
+    if best then
+      local result = take(best_lane, best)
+      if not requeued(best_lane) then
+        charge(best_lane)
+      end
+      return result
+    end
+  end
+  local ring = P .. ':qr:' .. provider .. ':' .. class
+  for _, lane in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+    found = oldest(lane)
+    if found then
+      local result = take(lane, found)
+      charge(lane)
+      return result
+    end
+    drop_lane_if_empty(P, provider, lane)  -- when pruning emptied it
+  end
 end
 return false
 """

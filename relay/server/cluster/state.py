@@ -7,9 +7,11 @@ and, in the same step, handing it to the oldest compatible queued request
 (:meth:`ClusterState.release`). A slot can therefore never be free while a request
 that fits it waits, and no worker is ever reserved past its ``max_concurrent``.
 
-The shared queue keeps the order of :mod:`relay.core.fairqueue` across processes:
-requeued requests first, oldest arrival first; then the API keys take turns in one
-ring per provider (weighted round-robin, every request costs one credit of its key's
+The shared queue keeps the order of :mod:`relay.core.classqueue` across processes: the
+highest priority class with a compatible request first (a request that waited the
+aging bound per class counting that many classes higher); within a class, requeued
+requests first, oldest arrival first; then the API keys take turns in one ring per
+provider and class (weighted round-robin, every request costs one credit of its key's
 turn), FIFO within a key among the requests the worker can serve.
 
 Keys (``P`` is REDIS_PREFIX):
@@ -31,10 +33,13 @@ Keys (``P`` is REDIS_PREFIX):
 - ``P:q:<provider>`` (every waiting entry, scored by global arrival order) and
   ``P:qe:<entry>`` (model, origin process, deadline, plain — whether picky workers may
   take it —, lane; expires at the deadline): the shared queue;
-- ``P:ql:<provider>:<lane>``: a lane's entries by arrival order; the lane is ``k<key
-  id>``, ``anon`` (requests without a key) or ``requeued`` (dispatched before);
-- ``P:qr:<provider>`` (list): the ring of key lanes with entries, the lane whose turn
-  it is first; ``P:qc:<provider>`` and ``P:qw:<provider>`` (hashes): each ring lane's
+- ``P:ql:<provider>:<lane>``: a lane's entries by arrival order; the lane is
+  ``<class>:k<key id>``, ``<class>:anon`` (requests without a key) or
+  ``<class>:requeued`` (dispatched before), ``<class>`` a priority class (SPEC §15);
+  ``P:qk:<provider>`` (hash): entries waiting per class (the queue bound is per class);
+- ``P:qr:<provider>:<class>`` (list): the class's ring of key lanes with entries, the
+  lane whose turn it is first; ``P:qc:<provider>`` and ``P:qw:<provider>`` (hashes): each
+  ring lane's
   credit left in its turn and its weight. A lane is in the ring exactly while it
   holds entries (every script that adds or removes entries keeps that true);
 - ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals);
@@ -64,12 +69,13 @@ class CredentialsMismatch(Exception):
     """Redis holds another cluster's credentials (a process with another pepper)."""
 
 
-def lane_of(key_id: int | None, requeued: bool) -> str:
-    """The shared-queue lane of a request of API key ``key_id`` (None: no key);
-    ``requeued``: it was dispatched before and goes ahead of every key."""
+def lane_of(service_class: str, key_id: int | None, requeued: bool) -> str:
+    """The shared-queue lane of a request of priority class ``service_class`` and API
+    key ``key_id`` (None: no key); ``requeued``: it was dispatched before and goes ahead
+    of every key of its class."""
     if requeued:
-        return "requeued"
-    return "anon" if key_id is None else f"k{key_id}"
+        return f"{service_class}:requeued"
+    return f"{service_class}:" + ("anon" if key_id is None else f"k{key_id}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +144,9 @@ class ClusterState:
         seq: int,
         max_queue: int,
         plain: bool = True,
-        lane: str = "anon",
+        lane: str = "default:anon",
         weight: int = 1,
+        service_class: str = "default",
     ) -> tuple[str, Placed | None, int]:
         """Reserve the least-loaded slot for ``model`` or queue ``entry`` at the back of
         ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
@@ -167,6 +174,7 @@ class ClusterState:
                 lane,
                 weight,
                 hold_ms,
+                service_class,
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])
@@ -174,13 +182,15 @@ class ClusterState:
         return kind, placed, int(reply[4])
 
     async def release(
-        self, worker_id: str, lease: str, now_ms: int
+        self, worker_id: str, lease: str, now_ms: int, aging_ms: int = 0
     ) -> tuple[str, str, Placed] | None:
         """Release ``lease`` on the worker and give the free slot to the queued request
         it should serve next (requeued first, then the keys' turns): returns that
         request's ``(entry, origin, where)`` (its slot is reserved under ``entry``), or
         None. Another origin is told on its channel, and can read ``where`` back."""
-        popped = await self._release(args=[self.prefix, worker_id, lease, now_ms, PENDING_LEASE_MS])
+        popped = await self._release(
+            args=[self.prefix, worker_id, lease, now_ms, PENDING_LEASE_MS, aging_ms]
+        )
         if not popped:
             return None
         entry, origin, where = (self.decode(part) for part in popped)
@@ -291,6 +301,17 @@ class ClusterState:
             pipe.delete(self._key("proc", instance), self._key("pw", instance))
             pipe.srem(self._key("procs"), instance)
             await pipe.execute()
+
+    def channel_all(self) -> str:
+        """The pub/sub channel every process listens on (a slot wanted for a higher class)."""
+        return self._key("ctl-all")
+
+    async def broadcast(self, message: str) -> None:
+        await self.redis.publish(self.channel_all(), message)
+
+    async def claim(self, token: str, instance: str, ttl_ms: int = 5000) -> bool:
+        """The first process to claim ``token`` acts on it; the others leave it."""
+        return bool(await self.redis.set(self._key("claim", token), instance, nx=True, px=ttl_ms))
 
     def channel(self, instance: str) -> str:
         """The pub/sub channel on which ``instance`` hears of slots found for its requests."""

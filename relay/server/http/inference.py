@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import hmac
 
+from relay.core import classes
 from relay.server import runtime
-from relay.server.cluster.proxy import KEY_HEADER, LEASE_HEADER, LIFETIME_HEADER, TOKEN_HEADER
+from relay.server.cluster.proxy import (
+    CLASS_HEADER,
+    KEY_HEADER,
+    LEASE_HEADER,
+    LIFETIME_HEADER,
+    TOKEN_HEADER,
+)
 from relay.server.http.request import (
     ClientGone,
     before_body,
     header,
     parse_head,
     read_body,
+    read_head,
 )
 from relay.server.http.respond import respond
 from relay.server.http.send import Receive, Scope, Send, send_error, send_simple
@@ -23,6 +31,7 @@ TOKEN_HEADER_B = TOKEN_HEADER.encode()
 LEASE_HEADER_B = LEASE_HEADER.encode()
 LIFETIME_HEADER_B = LIFETIME_HEADER.encode()
 KEY_HEADER_B = KEY_HEADER.encode()
+CLASS_HEADER_B = CLASS_HEADER.encode()
 
 
 async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
@@ -42,9 +51,10 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             body = raw.decode()
         except UnicodeDecodeError:
             raise BadRequest("Request body must be UTF-8 encoded JSON") from None
-        model, stream = parse_head(raw)
+        model, stream, tier = read_head(raw)
         if len(model) > rt.config.max_model_name_len:
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
+        wanted = classes.asked(header(scope, b"x-priority"), tier)
     except ClientGone:
         return
     except RelayError as err:
@@ -72,6 +82,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             headers=forwarded_request_headers(scope["headers"], exclude=relay_auth_headers),
             key_id=key_id,
             ticket=ticket,
+            service_class=rt.service_class(key_id, wanted),
         )
     except RelayError as err:  # already counted by the core
         if ticket is not None:
@@ -98,6 +109,7 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         lifetime = float(header(scope, LIFETIME_HEADER_B) or b"0")
         key = header(scope, KEY_HEADER_B)
         key_id = int(key) if key is not None and key.isdigit() else None
+        service_class, _, preempted = (header(scope, CLASS_HEADER_B) or b"").decode().partition(" ")
         raw = await read_body(receive, rt.config.max_request_bytes)
         model, stream = parse_head(raw)
         request = relay.submit_pinned(
@@ -111,6 +123,8 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
             headers=forwarded_request_headers(scope["headers"]),
             key_id=key_id,
             lifetime=min(lifetime, rt.config.request_timeout),
+            service_class=service_class if service_class in classes.RANK else classes.DEFAULT,
+            preemptions=int(preempted) if preempted.isdigit() and len(preempted) < 6 else 0,
         )
     except ClientGone:
         placement.release(worker_id, lease)

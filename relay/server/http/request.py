@@ -10,7 +10,7 @@ fields the relay needs from the body.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -86,13 +86,21 @@ def reset_hosts() -> None:
 
 
 class _Head(msgspec.Struct):
-    """The only two fields the relay reads from a client body."""
+    """The only fields the relay reads from a client body."""
 
     model: Any = msgspec.UNSET
     stream: Any = msgspec.UNSET
+    service_tier: Any = None
 
 
 _head_decoder = msgspec.json.Decoder(_Head)
+
+
+class Head(NamedTuple):
+    model: str
+    stream: bool
+    #: As sent (None: absent); :func:`relay.core.classes.asked` reads it.
+    service_tier: object
 
 
 class ClientGone(Exception):
@@ -101,6 +109,12 @@ class ClientGone(Exception):
 
 def parse_head(body: bytes) -> tuple[str, bool]:
     """``(model, stream)`` from a raw JSON body, or :class:`BadRequest` saying what is wrong."""
+    head = read_head(body)
+    return head.model, head.stream
+
+
+def read_head(body: bytes) -> Head:
+    """What the relay reads of a raw JSON body, or :class:`BadRequest` saying what is wrong."""
     try:
         head = _head_decoder.decode(body)
     except msgspec.ValidationError:
@@ -120,7 +134,7 @@ def parse_head(body: bytes) -> tuple[str, bool]:
         stream = False
     elif not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
-    return head.model, stream
+    return Head(head.model, stream, head.service_tier)
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

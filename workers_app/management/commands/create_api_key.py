@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from keys.services import create_key
+from relay.core.classes import CLASSES
 
 _DURATION = re.compile(r"^(\d+)([dhm])$")
 _UNITS = {"d": "days", "h": "hours", "m": "minutes"}
@@ -42,6 +43,16 @@ class Command(BaseCommand):
         parser.add_argument("--models", help="allowed models, comma-separated (default: all)")
         parser.add_argument("--expires", help="date/time (UTC) or duration such as 30d, 12h")
         parser.add_argument("--weight", type=int, help="fair-share weight (default 1)")
+        parser.add_argument(
+            "--default-class",
+            choices=CLASSES,
+            help="priority class of requests that ask for none (default: default)",
+        )
+        parser.add_argument(
+            "--max-class",
+            choices=CLASSES,
+            help="highest priority class its requests may ask for (default: default)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         limits: dict[str, Any] = {
@@ -52,6 +63,8 @@ class Command(BaseCommand):
             "allowed_models": options["models"],
             "expires_at": expiry(options["expires"]) if options["expires"] else None,
             "weight": options["weight"],
+            "default_class": options["default_class"],
+            "max_class": options["max_class"],
         }
         try:
             made = create_key(options["name"], **limits)
