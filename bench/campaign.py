@@ -48,10 +48,10 @@ def settings(quick: bool) -> dict[str, Any]:
             "g_streams": 50,
             "h_requests": 5_000,
             "h_rounds": 2,
-            "i_service": 0.2,
-            "i_seconds": 6.0,
-            "i_slots": 4,
-            "i_trickle": 2.0,
+            "j_service": 0.2,
+            "j_seconds": 6.0,
+            "j_slots": 4,
+            "j_trickle": 2.0,
         }
     return {
         "a_seconds": 10,
@@ -73,10 +73,10 @@ def settings(quick: bool) -> dict[str, Any]:
         "g_streams": 100,
         "h_requests": 20_000,
         "h_rounds": 5,
-        "i_service": 0.2,
-        "i_seconds": 30.0,
-        "i_slots": 4,
-        "i_trickle": 2.0,
+        "j_service": 0.2,
+        "j_seconds": 30.0,
+        "j_slots": 4,
+        "j_trickle": 2.0,
     }
 
 
@@ -306,7 +306,7 @@ class Campaign:
             self.res["limits"] = asyncio.run(
                 limits.measure(self.s["h_requests"], self.s["h_rounds"], redis_url)
             )
-        if "i" in only:
+        if "j" in only:
             self.log("priority classes (flex at 3x capacity, a default trickle):")
             self.res["classes"] = classes.run(self.procs, self.workdir, self.s, self.log)
         if "e" in only:

@@ -1,4 +1,4 @@
-"""(i) Priority classes: people first, bulk work on what is left (SPEC §15).
+"""(j) Priority classes: people first, bulk work on what is left (SPEC §15).
 
 A fake upstream answers every request after a fixed service time ``service`` (no
 streaming); two ``worker.py`` give ``slots`` slots each. Bulk work is a closed loop of
@@ -143,12 +143,12 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _measure(urls: list[str], s: dict[str, Any]) -> dict[str, Any]:
-    service, seconds = s["i_service"], s["i_seconds"]
-    capacity = s["i_slots"] * 2
+    service, seconds = s["j_service"], s["j_seconds"]
+    capacity = s["j_slots"] * 2
     alone = asyncio.run(_load(urls, seconds=seconds, flex=3 * capacity, trickle=0))
-    baseline = asyncio.run(_load(urls, seconds=seconds, flex=0, trickle=s["i_trickle"]))
+    baseline = asyncio.run(_load(urls, seconds=seconds, flex=0, trickle=s["j_trickle"]))
     before = _preemptions(urls)
-    both = asyncio.run(_load(urls, seconds=seconds, flex=3 * capacity, trickle=s["i_trickle"]))
+    both = asyncio.run(_load(urls, seconds=seconds, flex=3 * capacity, trickle=s["j_trickle"]))
     preempted = _preemptions(urls) - before
     overhead = statistics.median(baseline["latencies"]) - service if baseline["latencies"] else 0
     waits = [max(0.0, lat - service - overhead) for lat in both["latencies"]]
@@ -185,11 +185,11 @@ def run(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[st
         "QUEUE_TIMEOUT_SECS": "120",
         "PRIORITY_AGING_SECS": "600",  # no aging within a run: the classes alone
     }
-    service = s["i_service"]
-    with upstream_in_thread(first_byte_delay=service, total_slots=s["i_slots"]) as up:
+    service = s["j_service"]
+    with upstream_in_thread(first_byte_delay=service, total_slots=s["j_slots"]) as up:
         log("  one process, two workers")
         server, url = start_server(procs, workdir, "classes-one", None, "daphne", **base_env)
-        _start_workers(procs, url, up.url, 2, s["i_slots"], "one")
+        _start_workers(procs, url, up.url, 2, s["j_slots"], "one")
         wait_workers(url, 2, server, timeout=60)
         out["one_process"] = _measure([url], s)
         procs.stop_all()
@@ -207,8 +207,8 @@ def run(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[st
         a, a_url = start_server(procs, workdir, "classes-a", None, "daphne", **env)
         shared = {**env, "DATABASE_URL": f"sqlite:///{workdir / 'data-classes-a' / 'db.sqlite3'}"}
         b, b_url = start_server(procs, workdir, "classes-b", None, "daphne", **shared)
-        _start_workers(procs, a_url, up.url, 1, s["i_slots"], "a")
-        _start_workers(procs, b_url, up.url, 1, s["i_slots"], "b")
+        _start_workers(procs, a_url, up.url, 1, s["j_slots"], "a")
+        _start_workers(procs, b_url, up.url, 1, s["j_slots"], "b")
         wait_workers(a_url, 1, a, timeout=60)
         wait_workers(b_url, 1, b, timeout=60)
         _wait_cluster([a_url, b_url])

@@ -5,7 +5,7 @@
 - :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
 - :mod:`bench.report.sections`: (a) to (f);
 - :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits;
-- :mod:`bench.report.classes`: (i) priority classes;
+- :mod:`bench.report.classes`: (j) priority classes;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
 - :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.

@@ -1,4 +1,4 @@
-"""(i) Priority classes: people first, bulk work on what is left (SPEC §15)."""
+"""(j) Priority classes: people first, bulk work on what is left (SPEC §15)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def classes(res: dict[str, Any]) -> list[str]:
     i = res.get("classes")
     if not i:
         return []
-    lines = ["### (i) Priority classes — people first, bulk work on what is left", ""]
+    lines = ["### (j) Priority classes — people first, bulk work on what is left", ""]
     rows = []
     targets = []
     for label, key in (("one process", "one_process"), ("two processes", "two_processes")):
