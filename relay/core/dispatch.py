@@ -92,12 +92,14 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
         headers: dict[str, str],
         key_id: int | None = None,
         ticket: Ticket | None = None,
+        service_class: str = "default",
     ) -> RelayRequest:
         """Admit a client request: assign it now, queue it, or raise a RelayError.
 
         ``ticket`` is the API key's admission (:meth:`relay.core.limits.Limiter.admit`):
         the request owns it once this returns and closes it when it ends; when this
-        raises, the caller still owns it.
+        raises, the caller still owns it. ``service_class`` is the request's priority
+        class (SPEC §15), kept on the request.
         """
         request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:
@@ -127,6 +129,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity):
             deadline=now + primary.policy.request_timeout,
         )
         request.ticket = ticket
+        request.service_class = service_class
         if self.clustered:
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.
