@@ -27,6 +27,7 @@ from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server import store
+from relay.server.batches.engine import BatchEngine
 from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster.control import Cluster, close_workers_of
 from relay.server.cluster.limits import RedisLimitStore
@@ -101,7 +102,11 @@ class Runtime:
             self.limit_store = MemoryLimitStore()
         self.limiter = Limiter(self.limit_store)
         self.key_stats = KeyStats()
-        self.metrics = RelayMetrics(self.relay, key_rows=self._key_rows_now)
+        #: Batches (SPEC §16): runs the lines of batches on idle capacity.
+        self.batches = BatchEngine(self)
+        self.metrics = RelayMetrics(
+            self.relay, key_rows=self._key_rows_now, batch_counts=self.batches.counts
+        )
         self.relay.observers.extend(
             [
                 self.keys.observe,
@@ -109,6 +114,7 @@ class Runtime:
                 self.metrics.observe,
                 self.key_stats.observe,
                 self._charge_placed,
+                self.batches.observe,
             ]
         )
         self.sockets = 0
@@ -116,9 +122,11 @@ class Runtime:
         self._poke = asyncio.Event()
         self._loaded = asyncio.Event()
         self._keys_version: tuple[object, int] | None = None
+        self._batch_task = loop.create_task(self.batches.run())
         self._tasks: list[asyncio.Task[None]] = [
             loop.create_task(self._sync_loop()),
             loop.create_task(self.bookkeeper.run()),
+            self._batch_task,
         ]
         if isinstance(self.limit_store, RedisLimitStore):
             self._tasks.append(loop.create_task(self.limit_store.run()))
@@ -288,7 +296,16 @@ class Runtime:
             self._sockets_gone.set()
 
     async def shutdown(self) -> None:
-        """Graceful stop: drain the relay, close workers with 1012, wait for the closes."""
+        """Graceful stop: drain the relay, close workers with 1012, wait for the closes.
+
+        Batch lines do not hold the shutdown up: they are stopped first and handed
+        back, for another process or the next start to run."""
+        await self.batches.stop()
+        try:
+            async with asyncio.timeout(10):
+                await asyncio.shield(self._batch_task)
+        except TimeoutError:
+            logger.warning("batch engine did not stop in time")
         await self.relay.shutdown(settings.SHUTDOWN_GRACE_SECS)
         await self.bookkeeper.flush()
         if self.sockets > 0:
