@@ -218,11 +218,13 @@ def _base_url(scope: Scope) -> str:
     configured = str(settings.PUBLIC_URL).strip().rstrip("/")
     if configured:
         return configured
+    scheme = scope.get("scheme", "http")
     host = (header(scope, b"host") or b"").decode("latin-1")
     if not host:
-        server = scope.get("server") or ("127.0.0.1", 80)
-        host = f"{server[0]}:{server[1]}"
-    return f"{scope.get('scheme', 'http')}://{host}"
+        name, port = scope.get("server") or ("127.0.0.1", 80)
+        default = {"http": 80, "https": 443}.get(scheme)
+        host = name if port in (None, default) else f"{name}:{port}"
+    return f"{scheme}://{host}"
 
 
 async def _json_body(scope: Scope, receive: Receive, limit: int) -> Any:
