@@ -24,7 +24,7 @@ from batches.models import (
     StoredFile,
     new_id,
 )
-from relay.server.batches import claims, store
+from relay.server.batches import claims, lifecycle, store
 from relay.server.batches.claims import Result
 from relay.server.batches.lines import LineSpec
 
@@ -142,11 +142,11 @@ def test_sweeping_a_cancelled_batch_ends_what_nobody_holds_then_the_batch():
     batch = running_batch(3)
     (held,) = claims.claim("a", None, 1, 60, 0)
     Batch.objects.filter(pk=batch.pk).request_cancel()
-    assert claims.sweep() == []  # one line is still held: the batch waits for it
+    assert lifecycle.sweep() == []  # one line is still held: the batch waits for it
     rows = BatchLine.objects.filter(batch=batch)
     assert Counter(rows.values_list("outcome", flat=True)) == {"canceled": 2, "": 1}
     claims.record([succeeded(held)])
-    assert claims.sweep() == [batch.public_id]
+    assert lifecycle.sweep() == [batch.public_id]
     batch.refresh_from_db()
     assert (batch.status, batch.succeeded, batch.canceled) == ("cancelled", 1, 2)
     assert batch.cancelled_at is not None and batch.output_file_id and batch.error_file_id
@@ -156,19 +156,19 @@ def test_a_batch_is_finished_once_whoever_tries():
     batch = running_batch(4)
     for line in claims.claim("a", None, 10, 60, 0):
         claims.record([succeeded(line)])
-    finished = in_threads(3, lambda index: claims.finish(batch.pk))
+    finished = in_threads(3, lambda index: lifecycle.finish(batch.pk))
     assert [name for name in finished if name] == [batch.public_id]
     batch.refresh_from_db()
     assert batch.status == "completed" and batch.finalizing_at is not None
     assert StoredFile.objects.filter(batch=batch).count() == 1
-    assert claims.finish(batch.pk) is None
+    assert lifecycle.finish(batch.pk) is None
 
 
 def test_an_expired_batch_ends_its_lines_as_expired():
     batch = running_batch(2)
     Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - dt.timedelta(seconds=1))
     assert claims.claim("a", None, 10, 60, 0) == []  # no line of it is started any more
-    assert claims.sweep() == [batch.public_id]
+    assert lifecycle.sweep() == [batch.public_id]
     batch.refresh_from_db()
     assert (batch.status, batch.expired) == ("expired", 2)
 
@@ -184,9 +184,9 @@ def test_a_batch_cancelled_before_its_validation_ends_cancelled_with_no_line():
         expires_at=timezone.now() + dt.timedelta(hours=1),
     )
     Batch.objects.filter(pk=batch.pk).request_cancel()
-    limits = claims.Limits(max_lines=10, max_model_len=64, max_queued=100, lease_secs=60)
-    assert claims.validate_next("a", frozenset({"m"}), limits) is None  # nothing validating
-    assert claims.sweep() == [batch.public_id]
+    limits = lifecycle.Limits(max_lines=10, max_model_len=64, max_queued=100, lease_secs=60)
+    assert lifecycle.validate_next("a", frozenset({"m"}), limits) is None  # nothing validating
+    assert lifecycle.sweep() == [batch.public_id]
     batch.refresh_from_db()
     assert batch.status == "cancelled" and batch.total == 0
     assert Batch.objects.filter(status=CANCELLING).count() == 0

@@ -18,25 +18,22 @@ batch that was cancelled or whose window ended are stopped where they run.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
-from django.conf import settings
-
-from batches.models import ACTIVE, CANCELED, CANCELLED, CANCELLING, IN_PROGRESS, LINE_EXPIRED
+from batches.models import ACTIVE, IN_PROGRESS, LINE_EXPIRED
 from relay.core.relay import Relay
-from relay.core.routes import parse_routes
 from relay.core.stats import RequestRecord
-from relay.server.batches import claims
+from relay.server.batches import claims, lifecycle
+from relay.server.batches.capacity import claimable_models, free_slots, startable
 from relay.server.batches.claims import Claimed, Result
+from relay.server.batches.config import BatchSettings, flavor
 from relay.server.batches.db import DatabaseThread
 from relay.server.batches.execute import Host, Retry, Running, execute
-from relay.wire.errors import Flavor
+from relay.server.batches.lifecycle import ended_as
 
 logger = logging.getLogger("relay.batches")
 
@@ -46,67 +43,10 @@ FLUSH_LINES = 500
 PRUNE_EVERY = 3600.0
 #: The longest pause between two restarts of the engine's loop after an error.
 MAX_BACKOFF = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class BatchSettings:
-    """Every limit and timing of the engine (README, "Settings")."""
-
-    max_in_flight: int = 64
-    poll: float = 1.0
-    claim: float = 60.0
-    flush: float = 0.25
-    window: float = 86_400.0
-    max_lines: int = 50_000
-    max_queued: int = 100_000
-    retention_days: int = 30
-
-    @classmethod
-    def from_settings(cls) -> BatchSettings:
-        s = settings
-        return cls(
-            max_in_flight=s.BATCH_MAX_IN_FLIGHT,
-            poll=s.BATCH_POLL_SECS,
-            claim=s.BATCH_CLAIM_SECS,
-            flush=s.BATCH_FLUSH_SECS,
-            window=s.BATCH_COMPLETION_WINDOW_SECS,
-            max_lines=s.BATCH_MAX_LINES,
-            max_queued=s.BATCH_MAX_QUEUED_LINES_PER_KEY,
-            retention_days=s.BATCH_RETENTION_DAYS,
-        )
-
-
-@functools.cache
-def _routes(spec: tuple[str, ...]) -> dict[str, Flavor]:
-    return parse_routes(list(spec))
-
-
-def free_slots(relay: Relay, model: str) -> int:
-    """Slots free now on this process's workers for ``model`` (as clients name it)."""
-    free = 0
-    for name, state in relay.providers.items():
-        if not state.policy.enabled:
-            continue
-        target = relay.resolve(state, model)
-        owner = relay.reserved.get(target)
-        if owner is not None and owner != name:
-            continue
-        for worker in relay.registry.serving_workers(name, target):
-            if not worker.draining:
-                free += max(0, worker.max_concurrent - worker.load)
-    return free
-
-
-def ended_as(state: tuple[str, float] | None, now: float) -> str:
-    """How a line of a batch in ``state`` ends here and now ("": it runs on)."""
-    if state is None:
-        return CANCELED  # the batch was deleted
-    status, expires = state
-    if status in (CANCELLING, CANCELLED):
-        return CANCELED
-    if status != IN_PROGRESS or expires <= now:
-        return LINE_EXPIRED
-    return ""
+#: Cluster mode: lines claimed at once (they start one placement at a time).
+CLUSTER_CLAIM = 16
+#: A claimed line that found no free slot for this many polls is handed back.
+STALE_POLLS = 10
 
 
 class BatchEngine:
@@ -218,7 +158,7 @@ class BatchEngine:
         if not self._fixed:
             self.config = BatchSettings.from_settings()
         config = self.config
-        limits = claims.Limits(
+        limits = lifecycle.Limits(
             max_lines=config.max_lines,
             max_model_len=self.relay.config.max_model_name_len,
             max_queued=config.max_queued,
@@ -226,24 +166,25 @@ class BatchEngine:
         )
         known = frozenset(self.relay.routable_models())
         for _ in range(8):
-            name = await self.db.run(claims.validate_next, self._token(), known, limits)
+            name = await self.db.run(lifecycle.validate_next, self._token(), known, limits)
             if name is None:
                 break
             logger.info("batch %s validated", name)
         held = {r.line.batch_id for r in self.running.values()}
         held.update(line.batch_id for line in self.ready)
         if held:
-            self._stop_ended(await self.db.run(claims.states, held))
+            self._stop_ended(await self.db.run(lifecycle.states, held))
         now = self.loop.time()
+        self._hand_back_stale(now)
         if now >= self._next_renew:
             self._next_renew = now + config.claim / 3
             tokens = {r.line.token for r in self.running.values()}
             tokens.update(line.token for line in self.ready)
             await self.db.run(claims.renew, tokens, config.claim)
         await self._flush(force=True)
-        for name in await self.db.run(claims.sweep):
+        for name in await self.db.run(lifecycle.sweep):
             logger.info("batch %s ended", name)
-        self.batches = await self.db.run(claims.overview)
+        self.batches = await self.db.run(lifecycle.overview)
         self.waiting = sum(
             b["total"] - b["succeeded"] - b["errored"] - b["canceled"] - b["expired"]
             for b in self.batches
@@ -251,7 +192,7 @@ class BatchEngine:
         )
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_EVERY
-            pruned = await self.db.run(claims.prune, config.retention_days)
+            pruned = await self.db.run(lifecycle.prune, config.retention_days)
             if pruned:
                 logger.info("pruned %d batch(es) past BATCH_RETENTION_DAYS", pruned)
 
@@ -272,18 +213,22 @@ class BatchEngine:
                         run.request, "timeout" if outcome == LINE_EXPIRED else "client_disconnect"
                     )
 
+    def _hand_back_stale(self, now: float) -> None:
+        """Claimed lines that found no free slot for STALE_POLLS polls (their model's
+        workers left, or others took every slot) go back for anyone to claim."""
+        limit = STALE_POLLS * self.config.poll
+        for line in [x for x in self.ready if now - x.since > limit and x.not_before <= now]:
+            self.ready.remove(line)
+            self._write(Result(line.line_id, line.token, line.batch_id, line.failures))
+
     # ------------------------------------------------------------------ claiming
 
-    def _claimable_models(self) -> set[str]:
-        """Models a line may be claimed for now: those with a free slot here (in
-        cluster mode: every routable one while the shared queue is empty)."""
-        routable = self.relay.routable_models()
-        if self.relay.clustered:
-            placement = self.rt.placement
-            if placement is not None and placement.queue_depth > 0:
-                return set()
-            return set(routable)
-        return {model for model in routable if free_slots(self.relay, model) > 0}
+    def _shared_queue_depth(self) -> int | None:
+        """Cluster mode: the shared queue's depth as last seen (None: one process)."""
+        if not self.relay.clustered:
+            return None
+        placement = self.rt.placement
+        return placement.queue_depth if placement is not None else 0
 
     async def _claim(self) -> None:
         if self.stopping or self.relay.shutting_down or self.waiting <= 0:
@@ -292,9 +237,14 @@ class BatchEngine:
         room = self.config.max_in_flight - len(self.running) - len(self.ready)
         if room <= 0 or now < self._claims_after:
             return
-        models = self._claimable_models()
+        depth = self._shared_queue_depth()
+        models = claimable_models(self.relay, depth)
         if not models:
             return
+        if depth is None:  # as many as there are free slots, and as many again
+            room = min(room, 2 * sum(free_slots(self.relay, model) for model in models))
+        else:
+            room = min(room, CLUSTER_CLAIM)
         self._turn += 1
         self.paused = {key: until for key, until in self.paused.items() if until > now}
         lines = await self.db.run(
@@ -308,6 +258,8 @@ class BatchEngine:
         )
         if not lines:
             self._claims_after = self._next_poll  # nothing to take: look at the next poll
+        for line in lines:
+            line.since = now
         self.ready.extend(lines)
 
     def _token(self) -> str:
@@ -320,56 +272,28 @@ class BatchEngine:
         self._soon = False
         if self.stopping or self.relay.shutting_down or not self.ready:
             return
-        now = self.loop.time()
-        clustered = self.relay.clustered
-        budget: dict[str, int] = {}
-        per_key: Counter[int | None] = Counter()
-        for run in self.running.values():
-            per_key[run.line.key_id] += 1
-            if run.request is None:  # still being admitted: its slot is spoken for
-                budget[run.line.model] = budget.get(run.line.model, 0) - 1
-        for line in list(self.ready):
-            if len(self.running) >= self.config.max_in_flight:
-                return
-            if line.not_before > now or self._over_key_limit(line.key_id, per_key):
-                continue
-            if clustered:
-                if not self._cluster_may_start():
-                    return
-            else:
-                if line.model not in budget or budget[line.model] < 0:
-                    budget[line.model] = budget.get(line.model, 0) + free_slots(
-                        self.relay, line.model
-                    )
-                if budget[line.model] <= 0:
-                    continue
-                budget[line.model] -= 1
+        for line in startable(
+            self.relay,
+            self.ready,
+            list(self.running.values()),
+            now=self.loop.time(),
+            room=self.config.max_in_flight - len(self.running),
+            shared_queue_depth=self._shared_queue_depth(),
+            key_cap=self._key_cap,
+        ):
             self.ready.remove(line)
-            per_key[line.key_id] += 1
             run = Running(line)
             self.running[line.line_id] = run
             run.task = self.loop.create_task(self._run(run))
 
-    def _over_key_limit(self, key_id: int | None, per_key: Counter[int | None]) -> bool:
-        """The key is paused, or as many of its lines run here as it may run at once
-        (its admission would refuse one more)."""
-        if key_id is None or not self.rt.require_keys:
-            return False
+    def _key_cap(self, key_id: int) -> int | None:
+        """How many lines of the key may run here at once: none while it is paused,
+        else its max_concurrent (its admission would refuse one more)."""
+        if not self.rt.require_keys:
+            return None
         if self.paused.get(key_id, 0.0) > self.loop.time():
-            return True
-        limit = self.rt.key_limits(key_id).max_concurrent
-        return limit is not None and per_key[key_id] >= limit
-
-    def _cluster_may_start(self) -> bool:
-        """Cluster mode: one line at a time waits for a placement, and none while
-        anyone's request waits in the shared queue."""
-        placement = self.rt.placement
-        if placement is not None and placement.queue_depth > 0:
-            return False
-        return all(
-            run.request is not None and run.request.worker is not None
-            for run in self.running.values()
-        )
+            return 0
+        return self.rt.key_limits(key_id).max_concurrent
 
     async def _run(self, run: Running) -> None:
         line = run.line
@@ -378,7 +302,7 @@ class BatchEngine:
             outcome = await execute(
                 self.rt,
                 run,
-                self.flavor(line.endpoint),
+                flavor(line.endpoint),
                 retry_delay=self.config.poll,
             )
         except asyncio.CancelledError:
@@ -391,7 +315,8 @@ class BatchEngine:
             if isinstance(outcome, Retry):
                 self.retries += 1
                 line.failures += 1 if outcome.spend else 0
-                line.not_before = self.loop.time() + outcome.delay
+                line.since = self.loop.time()
+                line.not_before = line.since + outcome.delay
                 if outcome.pause_key and line.key_id is not None:
                     self._pause(line, outcome.delay)
                 else:
@@ -411,10 +336,6 @@ class BatchEngine:
             if held is not line:
                 self.ready.remove(held)
             self._write(Result(held.line_id, held.token, held.batch_id, held.failures))
-
-    def flavor(self, endpoint: str) -> Flavor | None:
-        """How the relay treats ``endpoint`` now (None: it is no longer relayed)."""
-        return _routes(tuple(settings.RELAY_ROUTES)).get(endpoint)
 
     # ------------------------------------------------------------------ writing
 

@@ -102,9 +102,10 @@ async def execute(
             ticket = await rt.admit(line.key_id, line.model)
         except RelayError as err:
             return judge_error(line, err, limit, retry_delay)
-        if run.ended:
+    if run.ended:  # its batch ended while it was being admitted
+        if ticket is not None:
             ticket.close()
-            return ended(line, run.ended)
+        return ended(line, run.ended)
     try:
         request = relay.submit(
             model=line.model,
