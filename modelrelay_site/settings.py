@@ -254,11 +254,13 @@ LEGACY_DEFAULT_MAX_NEW_TOKENS = env_int("LEGACY_DEFAULT_MAX_NEW_TOKENS", 1024, m
 
 # Batches (SPEC §16, docs/OPERATIONS.md): the largest input file, the most requests per
 # batch, lines this process runs at once (never more than free slots: a batch only fills
-# idle capacity), the lines of one key's batches that may wait, what "24h" means, and
-# the engine's timings (look for work, lease on a claimed line, write results).
+# idle capacity) and the free slots per model it leaves alone, the lines of one key's
+# batches that may wait, what "24h" means, and the engine's timings (look for work,
+# lease on a claimed line, write results).
 BATCH_FILE_MAX_BYTES = env_int("BATCH_FILE_MAX_BYTES", 100 * MIB, minimum=1)
 BATCH_MAX_LINES = env_int("BATCH_MAX_LINES", 50_000, minimum=1)
 BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 64, minimum=1)
+BATCH_SPARE_SLOTS = env_int("BATCH_SPARE_SLOTS", 0)
 BATCH_MAX_QUEUED_LINES_PER_KEY = env_int("BATCH_MAX_QUEUED_LINES_PER_KEY", 100_000, minimum=1)
 BATCH_COMPLETION_WINDOW_SECS = env_float("BATCH_COMPLETION_WINDOW_SECS", 86_400.0)
 BATCH_POLL_SECS = env_float("BATCH_POLL_SECS", 1.0)

@@ -444,3 +444,19 @@ async def test_metrics_and_the_dashboard_snapshot_show_batch_lines(worker):
     snapshot = await live_snapshot(rt)
     (row,) = snapshot["batches"]
     assert row["id"] == batch["id"] and row["total"] == 4 and row["status"] == "in_progress"
+
+
+async def test_spare_slots_are_left_for_interactive_requests(worker, settings):
+    settings.BATCH_SPARE_SLOTS = 1
+    worker.reply = lambda r: None if "line" in r.body else (200, "{}")
+    batch = await submit([line(f"line-{i}") for i in range(3)])
+    await until(lambda: worker.in_flight == 1)
+    relay = runtime.current().relay
+    status, _ = await (await HttpCall("POST", CHAT, chat()).send()).json()
+    assert status == 200  # it took the spare slot at once, nothing of it was queued
+    assert relay.queue_depth() == 0 and worker.most_in_flight == 1
+    while len(worker.requests) < 4 or worker.held:
+        await until(lambda: worker.held)
+        await worker.release(next(iter(worker.held)))
+    done = await wait_batch(batch["id"], ended)
+    assert done["request_counts"]["completed"] == 3 and worker.most_in_flight == 1

@@ -6,6 +6,10 @@ interactive request, and never makes that queue refuse one (429). In cluster mod
 the slots of the other processes' workers are not known here: a line is claimed for
 any routable model while the shared queue is empty, and one waits for a placement
 at a time.
+
+``spare`` (BATCH_SPARE_SLOTS) free slots per model are left alone: a request that
+arrives while every other slot runs a batch line starts at once instead of waiting
+for one to end.
 """
 
 from __future__ import annotations
@@ -34,13 +38,13 @@ def free_slots(relay: Relay, model: str) -> int:
     return free
 
 
-def claimable_models(relay: Relay, shared_queue_depth: int | None) -> set[str]:
+def claimable_models(relay: Relay, shared_queue_depth: int | None, spare: int = 0) -> set[str]:
     """Models a line may be claimed for now (``shared_queue_depth``: cluster mode's
     shared queue as last seen, None in a single process)."""
     routable = relay.routable_models()
     if shared_queue_depth is not None:
         return set(routable) if shared_queue_depth == 0 else set()
-    return {model for model in routable if free_slots(relay, model) > 0}
+    return {model for model in routable if free_slots(relay, model) > spare}
 
 
 def startable(
@@ -52,6 +56,7 @@ def startable(
     room: int,
     shared_queue_depth: int | None,
     key_cap: Callable[[int], int | None],
+    spare: int = 0,
 ) -> list[Claimed]:
     """The claimed lines to start now, in order: at most ``room``, each on a free slot
     of its model not spoken for by a line still being admitted, none of a key past
@@ -76,7 +81,8 @@ def startable(
                 chosen.append(line)
             break
         if line.model not in budget:
-            budget[line.model] = free_slots(relay, line.model) - starting[line.model]
+            free = free_slots(relay, line.model) - spare
+            budget[line.model] = free - starting[line.model]
         if budget[line.model] <= 0:
             continue
         budget[line.model] -= 1

@@ -16,6 +16,8 @@ class BatchSettings:
     """Every limit and timing of the engine (README, "Settings")."""
 
     max_in_flight: int = 64
+    #: Free slots per model a batch leaves for everyone else (BATCH_SPARE_SLOTS).
+    spare: int = 0
     poll: float = 1.0
     claim: float = 60.0
     flush: float = 0.25
@@ -29,6 +31,7 @@ class BatchSettings:
         s = settings
         return cls(
             max_in_flight=s.BATCH_MAX_IN_FLIGHT,
+            spare=s.BATCH_SPARE_SLOTS,
             poll=s.BATCH_POLL_SECS,
             claim=s.BATCH_CLAIM_SECS,
             flush=s.BATCH_FLUSH_SECS,

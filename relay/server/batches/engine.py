@@ -238,11 +238,13 @@ class BatchEngine:
         if room <= 0 or now < self._claims_after:
             return
         depth = self._shared_queue_depth()
-        models = claimable_models(self.relay, depth)
+        spare = self.config.spare
+        models = claimable_models(self.relay, depth, spare)
         if not models:
             return
         if depth is None:  # as many as there are free slots, and as many again
-            room = min(room, 2 * sum(free_slots(self.relay, model) for model in models))
+            free = sum(free_slots(self.relay, model) - spare for model in models)
+            room = min(room, 2 * free)
         else:
             room = min(room, CLUSTER_CLAIM)
         self._turn += 1
@@ -280,6 +282,7 @@ class BatchEngine:
             room=self.config.max_in_flight - len(self.running),
             shared_queue_depth=self._shared_queue_depth(),
             key_cap=self._key_cap,
+            spare=self.config.spare,
         ):
             self.ready.remove(line)
             run = Running(line)
