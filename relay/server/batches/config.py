@@ -33,7 +33,8 @@ class BatchSettings:
             max_in_flight=s.BATCH_MAX_IN_FLIGHT,
             spare=s.BATCH_SPARE_SLOTS,
             poll=s.BATCH_POLL_SECS,
-            claim=s.BATCH_CLAIM_SECS,
+            # Claims are renewed at polls, three times per claim at least.
+            claim=max(s.BATCH_CLAIM_SECS, 3 * s.BATCH_POLL_SECS),
             flush=s.BATCH_FLUSH_SECS,
             window=s.BATCH_COMPLETION_WINDOW_SECS,
             max_lines=s.BATCH_MAX_LINES,

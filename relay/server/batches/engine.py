@@ -82,6 +82,9 @@ class BatchEngine:
         #: Keys over one of their limits -> loop time until which none of their
         #: lines is claimed or started.
         self.paused: dict[int, float] = {}
+        #: The pause before the loop runs again after a failed step (doubles while
+        #: steps fail, back to BATCH_POLL_SECS after a poll that went through).
+        self._backoff = self.config.poll
 
     # ------------------------------------------------------------------ hooks
 
@@ -120,16 +123,16 @@ class BatchEngine:
     async def run(self) -> None:
         """The engine's task (owned by the runtime): restarted with backoff when a
         step fails; on cancellation it hands back every line it holds."""
-        backoff = self.config.poll
         try:
             while True:
                 try:
                     await self._loop()
                     return
                 except Exception:
+                    backoff = self._backoff
                     logger.exception("batch engine step failed; again in %.1f s", backoff)
+                    self._backoff = min(backoff * 2, MAX_BACKOFF)
                     await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, MAX_BACKOFF)
         finally:
             await self._wind_down()
 
@@ -195,6 +198,7 @@ class BatchEngine:
             pruned = await self.db.run(lifecycle.prune, config.retention_days)
             if pruned:
                 logger.info("pruned %d batch(es) past BATCH_RETENTION_DAYS", pruned)
+        self._backoff = config.poll
 
     def _stop_ended(self, states: dict[int, tuple[str, float]]) -> None:
         """Stop the lines of batches that were cancelled or ran out of time."""
