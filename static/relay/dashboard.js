@@ -369,7 +369,8 @@
           el("div", { class: "meter" }, [el("span", { style: "width:" + pct + "%" })]),
         ]),
         el("td", { class: "num hide-sm" + (failed ? " warn-text" : ""), text: fmtInt(failed) }),
-        el("td", { class: "small hide-sm", text: active ? fmtClock(b.expires_at) : "–" }),
+        el("td", { class: "small hide-sm", title: new Date(b.expires_at * 1000).toLocaleString(),
+          text: active ? "in " + fmtDuration(b.expires_at - snap.at) : "–" }),
       ]);
     }));
   }
