@@ -124,6 +124,7 @@ class BatchEngine:
         """The engine's task (owned by the runtime): restarted with backoff when a
         step fails; on cancellation it hands back every line it holds."""
         try:
+            await self.rt.ready()  # providers and keys read: lines can be judged
             while True:
                 try:
                     await self._loop()

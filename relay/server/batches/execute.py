@@ -63,6 +63,8 @@ class Host(Protocol):
 
     async def admit(self, key_id: int, model: str) -> Ticket: ...
 
+    async def ready(self) -> None: ...
+
 
 @dataclass(eq=False, slots=True)
 class Running:
@@ -96,6 +98,8 @@ async def execute(
         return errored(line, NotFound(f"{line.endpoint} is not relayed here any more"))
     ticket = None
     if line.key_id is not None and rt.require_keys:
+        if not rt.keys.loaded:
+            return Retry(retry_delay, spend=False)  # the keys are not read yet
         if rt.keys.get(line.key_id) is None:
             return errored(line, Unauthorized("The batch's API key was revoked"))
         try:
