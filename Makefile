@@ -44,14 +44,16 @@ PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tes
 	tests/server/test_security_edges.py tests/server/test_worker_trust.py \
 	tests/server/test_cluster_routing.py tests/server/test_bookkeeper.py \
 	tests/server/test_fair_share.py tests/server/test_live_limits.py \
-	tests/server/test_cluster_limits.py
+	tests/server/test_cluster_limits.py tests/server/test_batches_api.py \
+	tests/server/test_message_batches.py tests/server/test_batch_claims.py \
+	tests/test_batches_e2e.py
 
 # The live tests run once more under the alternative server, manage.py serve --server uvicorn.
 UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures.py \
 	tests/server/test_live_security.py tests/server/test_security_edges.py tests/test_e2e.py \
 	tests/test_api_routes.py tests/test_live_smoke.py tests/server/test_live_legacy.py \
 	tests/server/test_live_legacy_nodes.py tests/server/test_live_oldapi.py \
-	tests/server/test_live_limits.py
+	tests/server/test_live_limits.py tests/test_batches_e2e.py
 
 test: $(VENV)/.dev browser nginx caddy
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)

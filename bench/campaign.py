@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import big_box, classes, cluster, limits, peers, scenarios, targets
+from bench import batches, big_box, classes, cluster, limits, peers, scenarios, targets
 from bench.procs import Processes
 from bench.profiler import Profiler, find_py_spy
 from bench.targets import RELAYS, ROOT
@@ -48,6 +48,10 @@ def settings(quick: bool) -> dict[str, Any]:
             "g_streams": 50,
             "h_requests": 5_000,
             "h_rounds": 2,
+            "i_lines": 300,
+            "i_slots": 4,
+            "i_service": 0.2,
+            "i_baseline": 10,
             "j_service": 0.2,
             "j_seconds": 6.0,
             "j_slots": 4,
@@ -73,6 +77,10 @@ def settings(quick: bool) -> dict[str, Any]:
         "g_streams": 100,
         "h_requests": 20_000,
         "h_rounds": 5,
+        "i_lines": 1000,
+        "i_slots": 4,
+        "i_service": 0.2,
+        "i_baseline": 30,
         "j_service": 0.2,
         "j_seconds": 30.0,
         "j_slots": 4,
@@ -306,6 +314,9 @@ class Campaign:
             self.res["limits"] = asyncio.run(
                 limits.measure(self.s["h_requests"], self.s["h_rounds"], redis_url)
             )
+        if "i" in only:
+            self.log("batches on idle capacity (daphne):")
+            self.res["batches"] = batches.run(self.procs, self.workdir, self.s, self.log)
         if "j" in only:
             self.log("priority classes (flex at 3x capacity, a default trickle):")
             self.res["classes"] = classes.run(self.procs, self.workdir, self.s, self.log)

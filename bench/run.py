@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default="",
-        help="scenarios to run: a,b,c,d,e,f,g,h (d = a + c; f = one big box; "
-        "g = two processes through Redis; h = per-key limits)",
+        help="scenarios to run: a,b,c,d,e,f,g,h,i (d = a + c; f = one big box; "
+        "g = two processes through Redis; h = per-key limits; i = batches)",
     )
     p.add_argument(
         "--targets", default=",".join(ALL_TARGETS), help="comma list of " + ",".join(ALL_TARGETS)
@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args(argv)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghj")
-    if not only <= set("abcdefghj"):
-        p.error("--only takes a, b, c, d, e, f, g, h, j")
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghij")
+    if not only <= set("abcdefghij"):
+        p.error("--only takes a, b, c, d, e, f, g, h, i, j")
     if "d" in only:
         only |= {"a", "c"}
     names = [n.strip().lower() for n in args.targets.split(",") if n.strip()]

@@ -107,7 +107,12 @@ def start_server(
 
 
 def start_workers(
-    procs: Processes, server_url: str, backend_url: str, count: int, label: str
+    procs: Processes,
+    server_url: str,
+    backend_url: str,
+    count: int,
+    label: str,
+    max_concurrent: int = 512,
 ) -> list[Proc]:
     workers = []
     for i in range(count):
@@ -126,7 +131,7 @@ def start_workers(
                     "--models",
                     MODEL,
                     "--max-concurrent",
-                    "512",
+                    str(max_concurrent),
                     "--worker-name",
                     f"bench-worker-{i + 1}",
                     "--log-level",

@@ -5,7 +5,8 @@ is right for tests but costs more per request than a benchmark can spare on the 
 core. This one is an :class:`asyncio.Protocol` with precomputed answers:
 
 - ``POST /v1/chat/completions`` without ``"stream": true``: one small chat completion
-  (``--tokens`` tokens of text, usage included), one write;
+  (``--tokens`` tokens of text, usage included), one write (``--service-time`` seconds
+  after the request arrived: a backend's fixed service time, for (i));
 - with ``"stream": true``: server-sent events in OpenAI's shape — a role chunk at once,
   then one token chunk every ``1/--token-rate`` seconds on an absolute schedule (no
   drift), then the finish chunk, a usage chunk and ``data: [DONE]`` right after the
@@ -110,8 +111,9 @@ def _token(index: int) -> bytes:
 
 
 class Upstream:
-    def __init__(self, tokens: int, token_rate: float) -> None:
+    def __init__(self, tokens: int, token_rate: float, service_time: float = 0.0) -> None:
         self.tokens = tokens
+        self.service_time = service_time
         self.interval = 1.0 / token_rate
         self.completion = _response("200 OK", b"application/json", completion_body(tokens))
         self.models = _response(
@@ -189,12 +191,21 @@ class _Connection(asyncio.Protocol):
             stream = parsed.stream
             tokens = parsed.max_tokens or up.tokens
         if not stream:
-            transport.write(up.completion)
+            if up.service_time > 0:
+                loop = asyncio.get_running_loop()
+                self.timer = loop.call_later(up.service_time, self._answer)
+            else:
+                transport.write(up.completion)
             return
         transport.write(_STREAM_HEAD + _ROLE)
         loop = asyncio.get_running_loop()
         start = loop.time()
         self.timer = loop.call_at(start + up.interval, self._next, start, 0, tokens)
+
+    def _answer(self) -> None:
+        self.timer = None
+        if self.transport is not None:
+            self.transport.write(self.up.completion)
 
     def _next(self, start: float, index: int, tokens: int) -> None:
         transport = self.transport
@@ -209,8 +220,8 @@ class _Connection(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_at(when, self._next, start, index + 1, tokens)
 
 
-async def serve(port: int, tokens: int, token_rate: float) -> None:
-    up = Upstream(tokens, token_rate)
+async def serve(port: int, tokens: int, token_rate: float, service_time: float = 0.0) -> None:
+    up = Upstream(tokens, token_rate, service_time)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: _Connection(up), "127.0.0.1", port, backlog=4096)
     stop = asyncio.Event()
@@ -229,8 +240,11 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--tokens", type=int, default=16, help="tokens per completion")
     p.add_argument("--token-rate", type=float, default=20.0, help="streamed tokens per second")
+    p.add_argument(
+        "--service-time", type=float, default=0.0, help="seconds before a completion is written"
+    )
     a = p.parse_args()
-    asyncio.run(serve(a.port, a.tokens, a.token_rate))
+    asyncio.run(serve(a.port, a.tokens, a.token_rate, a.service_time))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ INSTALLED_APPS = [
     "relay",
     "workers_app",
     "keys",
+    "batches",
 ]
 
 MIDDLEWARE = [
@@ -261,6 +262,22 @@ AUDIT_RETENTION_DAYS = env_int("AUDIT_RETENTION_DAYS", 30, minimum=1)
 LEGACY_BAD_FRAME_LIMIT = env_int("LEGACY_BAD_FRAME_LIMIT", 100, minimum=1)
 LEGACY_BAD_FRAME_WINDOW_SECS = env_float("LEGACY_BAD_FRAME_WINDOW_SECS", 10.0)
 LEGACY_DEFAULT_MAX_NEW_TOKENS = env_int("LEGACY_DEFAULT_MAX_NEW_TOKENS", 1024, minimum=1)
+
+# Batches (SPEC §16, docs/OPERATIONS.md): the largest input file, the most requests per
+# batch, lines this process runs at once (never more than free slots: a batch only fills
+# idle capacity) and the free slots per model it leaves alone, the lines of one key's
+# batches that may wait, what "24h" means, and the engine's timings (look for work,
+# lease on a claimed line, write results).
+BATCH_FILE_MAX_BYTES = env_int("BATCH_FILE_MAX_BYTES", 100 * MIB, minimum=1)
+BATCH_MAX_LINES = env_int("BATCH_MAX_LINES", 50_000, minimum=1)
+BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 64, minimum=1)
+BATCH_SPARE_SLOTS = env_int("BATCH_SPARE_SLOTS", 0)
+BATCH_MAX_QUEUED_LINES_PER_KEY = env_int("BATCH_MAX_QUEUED_LINES_PER_KEY", 100_000, minimum=1)
+BATCH_COMPLETION_WINDOW_SECS = env_float("BATCH_COMPLETION_WINDOW_SECS", 86_400.0)
+BATCH_POLL_SECS = env_float("BATCH_POLL_SECS", 1.0)
+BATCH_CLAIM_SECS = env_float("BATCH_CLAIM_SECS", 60.0)
+BATCH_FLUSH_SECS = env_float("BATCH_FLUSH_SECS", 0.25)
+BATCH_RETENTION_DAYS = env_int("BATCH_RETENTION_DAYS", 30, minimum=1)
 
 # --- Logging -----------------------------------------------------------------
 

@@ -27,7 +27,16 @@ ALLOWED: dict[str, set[str]] = {
     "pages": {"server", "core", "wire"},
 }
 #: Our Django apps and site: only the edges may use them.
-DJANGO_SIDE = {"django", "channels", "daphne", "asgiref", "ninja", "workers_app", "keys"}
+DJANGO_SIDE = {
+    "django",
+    "channels",
+    "daphne",
+    "asgiref",
+    "ninja",
+    "workers_app",
+    "keys",
+    "batches",
+}
 DJANGO_FREE = {"wire", "worker", "core"}
 
 
@@ -87,7 +96,7 @@ def module_imports(path: Path) -> set[str]:
 
 
 #: Our own top-level packages besides ``relay``: the Django apps and the site.
-APPS = ("workers_app", "keys", "modelrelay_site")
+APPS = ("workers_app", "keys", "batches", "modelrelay_site")
 
 
 def _module_name(path: Path) -> str:
@@ -143,7 +152,7 @@ def test_the_apps_reach_the_running_server_only_through_its_control_interface():
     known = set(modules)
     problems = []
     for name, path in modules.items():
-        if name.split(".")[0] not in ("workers_app", "keys"):
+        if name.split(".")[0] not in ("workers_app", "keys", "batches"):
             continue
         for target in imports_of(path, known):
             if target.startswith("relay.server.") and not (
@@ -161,9 +170,10 @@ SERVER_PARTS: dict[str, set[str]] = {
     "bookkeeper": set(),
     "metrics": set(),
     "cors": set(),
-    "runtime": {"cluster", "store", "bookkeeper", "metrics", "cors"},
+    "runtime": {"cluster", "store", "bookkeeper", "metrics", "cors", "batches"},
     "control": {"runtime", "cluster"},
-    "http": {"runtime", "cluster", "metrics"},
+    "http": {"runtime", "cluster", "metrics", "batches"},
+    "batches": {"runtime", "store", "http", "cluster"},
     "socket": {"runtime", "store", "cluster"},
     "legacy": {"runtime", "store", "http", "socket"},
     "admin": {"runtime", "cluster"},

@@ -5,6 +5,7 @@
 - :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
 - :mod:`bench.report.sections`: (a) to (f);
 - :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits;
+- :mod:`bench.report.batches`: (i) batches on idle capacity;
 - :mod:`bench.report.classes`: (j) priority classes;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import classes, cluster, goals, ratios, sections
+from bench.report import batches, classes, cluster, goals, ratios, sections
 
 LEGEND = (
     "CPU columns are shares of one core over the measured window, from `/proc/<pid>/stat`: "
@@ -39,6 +40,7 @@ def tables(res: dict[str, Any]) -> str:
         sections.big_box(res),
         cluster.cluster(res),
         cluster.limits(res),
+        batches.batches(res),
         classes.classes(res),
     ]
     return "\n".join(line for part in parts for line in part)

@@ -12,6 +12,8 @@ Each change is a :class:`Patch` in a module of its own, named after what it give
   connection is full, as under uvicorn;
 - ``refusals``: 431 for oversized headers, and a request that will be refused anyway
   answered before its body is read (and a chunked body cut off at its limit);
+- ``uploads``: the same for file uploads (``POST /v1/files``): over the size limit or
+  without a valid key, answered before the body;
 - ``directio``: socket writes and readiness callbacks without Twisted's extra loop turn
   and log context;
 - ``frames``: lean WebSocket frame handling (small frames unmasked in Python, no
@@ -39,6 +41,7 @@ from modelrelay_site.daphne_shim import (
     reaping,
     refusals,
     requests,
+    uploads,
 )
 from modelrelay_site.daphne_shim.probe import Patch, problem
 
@@ -53,6 +56,7 @@ def patches() -> list[Patch]:
         reaping.PATCH,
         backpressure.PATCH,
         refusals.PATCH,
+        uploads.PATCH,
         directio.PATCH,
     ]
 

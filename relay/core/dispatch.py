@@ -105,7 +105,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
 
         ``ticket`` is the API key's admission (:meth:`relay.core.limits.Limiter.admit`):
         the request owns it once this returns and closes it when it ends; when this
-        raises, the caller still owns it.
+        raises, the caller still owns it. ``service_class`` is the request's priority
+        class (SPEC §15), kept on the request.
         """
         request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:

@@ -135,6 +135,8 @@ class RelayRequest:
         self.body = body
         self.headers = headers
         self.key_id = key_id
+        #: Its priority class (SPEC §15): "priority", "default" or "flex" (a batch line).
+        self.service_class = "default"
         #: The API key's admission (SPEC §13): closed when the request ends; its
         #: weight is the request's share in the fair queue. None without keys.
         self.ticket: Ticket | None = None

@@ -76,6 +76,9 @@ async def live_snapshot(rt: runtime.Runtime) -> dict[str, Any]:
     document = snapshot.dashboard(
         rt.relay, workers_list=await rt.workers(), keys_list=keys_list, key_name=rt.key_name
     )
+    # Batches (SPEC §16): those with work left and the last few ended, as of the
+    # engine's last look at the database (every process's).
+    document["batches"] = rt.batches.batches
     if rt.placement is not None:
         # Cluster mode: the queue that matters is the shared one (as of the last second).
         document["stats"]["queue_depth"] = rt.placement.queue_depth

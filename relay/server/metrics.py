@@ -24,6 +24,7 @@ from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 
 KeyRows = Callable[[], list[dict[str, Any]]]
+BatchCounts = Callable[[], dict[str, Any]]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -35,10 +36,12 @@ class RelayCollector(Collector):
         relay: Relay,
         cluster: Callable[[], dict[str, Any]] | None = None,
         key_rows: KeyRows | None = None,
+        batch_counts: BatchCounts | None = None,
     ) -> None:
         self.relay = relay
         self.cluster = cluster
         self.key_rows = key_rows
+        self.batch_counts = batch_counts
 
     def collect(self) -> Iterator[Metric]:
         relay = self.relay
@@ -136,6 +139,44 @@ class RelayCollector(Collector):
             )
         if self.key_rows is not None:
             yield from key_metrics(self.key_rows())
+        if self.batch_counts is not None:
+            yield from batch_metrics(self.batch_counts())
+
+
+def batch_metrics(counts: dict[str, Any]) -> Iterator[Metric]:
+    """Batch lines (SPEC §16): waiting in the database (every process's, as of this
+    process's last look), held and running here, and ended here by outcome."""
+    lines = GaugeMetricFamily(
+        "modelrelay_batch_lines",
+        "Batch lines not ended: queued (in the database, every process's), claimed and "
+        "running (this process's).",
+        labels=["state"],
+    )
+    lines.add_metric(["queued"], max(0, counts["waiting"] - counts["claimed"] - counts["running"]))
+    lines.add_metric(["claimed"], counts["claimed"])
+    lines.add_metric(["running"], counts["running"])
+    yield lines
+    ended = CounterMetricFamily(
+        "modelrelay_batch_lines_finished",
+        "Batch lines ended here, by outcome (succeeded, errored, canceled, expired).",
+        labels=["outcome"],
+    )
+    for outcome in ("succeeded", "errored", "canceled", "expired"):
+        ended.add_metric([outcome], counts["finished"].get(outcome, 0))
+    yield ended
+    yield CounterMetricFamily(
+        "modelrelay_batch_line_retries",
+        "Batch line attempts tried again here (a worker failed, or a limit said not now).",
+        value=counts["retries"],
+    )
+    batches = GaugeMetricFamily(
+        "modelrelay_batches",
+        "Batches with work left, and the last few ended, by status (every process's).",
+        labels=["status"],
+    )
+    for status, count in sorted(counts["batches"].items()):
+        batches.add_metric([status], count)
+    yield batches
 
 
 def key_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
@@ -190,9 +231,15 @@ def key_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
 class RelayMetrics:
     """One registry per relay runtime; :meth:`observe` is a request observer."""
 
-    def __init__(self, relay: Relay, *, key_rows: KeyRows | None = None) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        *,
+        key_rows: KeyRows | None = None,
+        batch_counts: BatchCounts | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.collector = RelayCollector(relay, key_rows=key_rows)
+        self.collector = RelayCollector(relay, key_rows=key_rows, batch_counts=batch_counts)
         self.registry.register(self.collector)
         self.duration = Histogram(
             "modelrelay_request_duration_seconds",

@@ -27,6 +27,7 @@ from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server import store
+from relay.server.batches.engine import BatchEngine
 from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster.control import TROUBLE as CLUSTER_TROUBLE
 from relay.server.cluster.control import Cluster, close_workers_of
@@ -106,7 +107,11 @@ class Runtime:
             self.limit_store = MemoryLimitStore()
         self.limiter = Limiter(self.limit_store)
         self.key_stats = KeyStats()
-        self.metrics = RelayMetrics(self.relay, key_rows=self._key_rows_now)
+        #: Batches (SPEC §16): runs the lines of batches on idle capacity.
+        self.batches = BatchEngine(self)
+        self.metrics = RelayMetrics(
+            self.relay, key_rows=self._key_rows_now, batch_counts=self.batches.counts
+        )
         self.relay.observers.extend(
             [
                 self.keys.observe,
@@ -114,6 +119,7 @@ class Runtime:
                 self.metrics.observe,
                 self.key_stats.observe,
                 self._charge_placed,
+                self.batches.observe,
             ]
         )
         self.sockets = 0
@@ -124,9 +130,11 @@ class Runtime:
         self._poke = asyncio.Event()
         self._loaded = asyncio.Event()
         self._keys_version: tuple[object, int] | None = None
+        self._batch_task = loop.create_task(self.batches.run())
         self._tasks: list[asyncio.Task[None]] = [
             loop.create_task(self._sync_loop()),
             loop.create_task(self.bookkeeper.run()),
+            self._batch_task,
         ]
         if isinstance(self.limit_store, RedisLimitStore):
             self._tasks.append(loop.create_task(self.limit_store.run()))
@@ -317,7 +325,15 @@ class Runtime:
         In cluster mode the server has stopped listening (new connections go to the
         other processes); the requests already on their way in are still admitted and
         placed on the other processes' workers (ours take nothing new), so that none of
-        them gets a 503 a load balancer would not retry."""
+        them gets a 503 a load balancer would not retry. Batch lines do not hold the
+        shutdown up: they are stopped first and handed back, for another process or the
+        next start to run."""
+        await self.batches.stop()
+        try:
+            async with asyncio.timeout(10):
+                await asyncio.shield(self._batch_task)
+        except TimeoutError:
+            logger.warning("batch engine did not stop in time")
         grace = settings.SHUTDOWN_GRACE_SECS
         started = self.loop.time()
         if self.placement is not None and self.placement.active:

@@ -17,7 +17,8 @@ Hierarchy::
     │   ├── QueueFull               (429)
     │   ├── RateLimited             (429, an API key's limit; with Retry-After)
     │   │   ├── ConcurrencyLimited
-    │   │   └── RequestRateLimited
+    │   │   ├── RequestRateLimited
+    │   │   └── BatchLinesExceeded  (too many of the key's batch lines waiting)
     │   ├── QuotaExceeded           (429, an API key's token budget; with Retry-After)
     │   │   ├── DailyQuotaExceeded
     │   │   └── MonthlyQuotaExceeded
@@ -193,6 +194,21 @@ class ConcurrencyLimited(RateLimited):
 
 class RequestRateLimited(RateLimited):
     outcome = "over_request_rate"
+
+
+class BatchLinesExceeded(RateLimited):
+    """A new batch would leave more of the key's lines waiting than
+    BATCH_MAX_QUEUED_LINES_PER_KEY allows."""
+
+    code = "batch_lines_exceeded"
+    outcome = "over_batch_lines"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"This API key would have more than {limit} batch requests waiting; "
+            "retry when some of its batches have ended",
+            retry_after=60,
+        )
 
 
 class QuotaExceeded(RateLimited):

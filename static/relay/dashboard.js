@@ -351,6 +351,36 @@
     }));
   }
 
+  // ---------------------------------------------------------------- batches
+
+  function renderBatches(snap) {
+    const rows = snap.batches || [];
+    const table = document.getElementById("batches");
+    table.hidden = rows.length === 0;
+    document.getElementById("batches-empty").hidden = rows.length > 0;
+    table.querySelector("tbody").replaceChildren(...rows.map((b) => {
+      const done = b.succeeded + b.errored + b.canceled + b.expired;
+      const failed = b.errored + b.canceled + b.expired;
+      const pct = b.total ? Math.min(100, Math.round((100 * done) / b.total)) : 0;
+      const status = b.status.replace(/_/g, " ");
+      const active = ["validating", "in_progress", "finalizing", "cancelling"].includes(b.status);
+      return el("tr", { "data-batch-id": b.id, "data-status": b.status }, [
+        el("td", {}, [el("div", { class: "strong mono small", text: b.id }),
+          el("div", { class: "muted small", text: b.api === "anthropic" ? "Anthropic" : "OpenAI" })]),
+        el("td", { class: "small hide-sm", text: b.key || "–" }),
+        el("td", { class: "mono small hide-sm", text: b.endpoint }),
+        el("td", {}, [el("span", { class: "badge " + (active ? "badge-ok" : "badge-muted"), text: status })]),
+        el("td", { class: "load-cell", title: pct + "% ended" }, [
+          el("div", { class: "load-text", "data-done": done, text: fmtInt(done) + " / " + fmtInt(b.total) }),
+          el("div", { class: "meter" }, [el("span", { style: "width:" + pct + "%" })]),
+        ]),
+        el("td", { class: "num hide-sm" + (failed ? " warn-text" : ""), text: fmtInt(failed) }),
+        el("td", { class: "small hide-sm", title: new Date(b.expires_at * 1000).toLocaleString(),
+          text: active ? "in " + fmtDuration(b.expires_at - snap.at) : "–" }),
+      ]);
+    }));
+  }
+
   // ---------------------------------------------------------------- recent requests
 
   function renderRecent(snap) {
@@ -380,6 +410,7 @@
     renderProviders(snap);
     renderChart(snap);
     renderKeys(snap);
+    renderBatches(snap);
     renderRecent(snap);
     document.body.dataset.snapshotAt = String(snap.at);
   }

@@ -309,6 +309,59 @@ async def _keys_flow(server: LiveServer, browser: Any) -> None:
     await page.context.close()
 
 
+async def test_the_dashboard_shows_a_batchs_progress_live(server, browser):
+    with server_log_on_failure(server):
+        await _batch_flow(server, browser)
+
+
+async def _batch_flow(server: LiveServer, browser: Any) -> None:
+    from playwright.async_api import expect
+
+    page = await new_page(browser)
+    await page.goto(server.url + "/dashboard")
+    if "/django-admin/login/" in page.url:
+        await log_in(page)
+    await page.wait_for_url(server.url + "/dashboard")
+    box = await RawWorker.join(server, "batch-box", ["batch-8b"], hold=frozenset({"batch-8b"}))
+    lines = b"".join(
+        json.dumps(
+            {
+                "custom_id": f"row-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "batch-8b", "messages": [{"role": "user", "content": "hi"}]},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(3)
+    )
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            files = {"file": ("rows.jsonl", lines, "application/jsonl")}
+            uploaded = await client.post("/v1/files", files=files, data={"purpose": "batch"})
+            body = {
+                "input_file_id": uploaded.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            }
+            batch = (await client.post("/v1/batches", json=body)).json()
+        row = page.locator(f'#batches tr[data-batch-id="{batch["id"]}"]')
+        for done in range(3):
+            async with asyncio.timeout(10):
+                held = await box.held.get()
+            await expect(row.locator("[data-done]")).to_have_text(f"{done} / 3")
+            await expect(row).to_have_attribute("data-status", "in_progress")
+            if done == 1:
+                await shoot(page, "dashboard-batches")
+            await box.answer(held)
+            box.load -= 1
+        await expect(row).to_have_attribute("data-status", "completed")
+        await expect(row.locator("[data-done]")).to_have_text("3 / 3")
+    finally:
+        await box.close()
+    await page.context.close()
+
+
 async def test_the_wizard_walks_a_new_box_to_a_confirmed_live_worker(server, browser, tmp_path):
     with server_log_on_failure(server):
         await _wizard_flow(server, browser, tmp_path)

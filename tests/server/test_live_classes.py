@@ -81,19 +81,20 @@ async def test_a_flex_request_preempted_before_its_first_byte_gives_its_client_o
     secret = await new_key(server, default_class="default", max_class="priority")
     oa = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=secret, max_retries=0)
     bulk = asyncio.ensure_future(
-        oa.chat.completions.create(model="m", messages=MESSAGES, service_tier="flex")  # type: ignore[arg-type]
+        oa.chat.completions.create(model="m", messages=MESSAGES, service_tier="flex")  # type: ignore[call-overload]
     )
     first = await worker.next()
     person = asyncio.ensure_future(oa.chat.completions.create(model="m", messages=MESSAGES))  # type: ignore[arg-type]
     second = await worker.next()  # the flex one was cancelled (its slot taken) first
     assert worker.holding == {second.request_id}
     await worker.answer(second, completion_=2)
-    assert (await person).usage.completion_tokens == 2
+    answered = await person
+    assert answered.usage is not None and answered.usage.completion_tokens == 2
     again = await worker.next()
     assert again.request_id == first.request_id and again.body == first.body
     await worker.answer(again, completion_=3)
     reply = await bulk
-    assert reply.usage.completion_tokens == 3  # one clean response
+    assert reply.usage is not None and reply.usage.completion_tokens == 3  # one clean response
     assert await log_row(server, first.request_id) == ("flex", 1)
     assert await log_row(server, second.request_id) == ("default", 0)
     async with httpx.AsyncClient(timeout=5) as scrape:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from relay.server import runtime
+from relay.server.batches import api as batches
 from relay.server.http import info
 from relay.server.http.inference import TOKEN_HEADER_B, inference, placed_here
 from relay.server.http.request import (
@@ -20,7 +21,7 @@ from relay.server.http.request import (
     route_table,
 )
 from relay.server.http.send import ASGIApp, Receive, Scope, Send, send_error
-from relay.wire.errors import BadRequest, HeadersTooLarge, RelayError
+from relay.wire.errors import BadRequest, Flavor, HeadersTooLarge, RelayError
 
 logger = logging.getLogger("relay.http")
 
@@ -55,6 +56,7 @@ class RelayHttpApp:
             return
         try:
             ours = flavor is not None or path in ("/health", "/metrics") or path == "/v1/models"
+            ours = ours or batches.serves(path)
             internal = flavor is not None and header(scope, TOKEN_HEADER_B) is not None
             if internal:
                 assert flavor is not None
@@ -72,6 +74,8 @@ class RelayHttpApp:
                 await info.models(scope, send, path)
             elif path == "/metrics":
                 await info.metrics(scope, send)
+            elif batches.serves(path):  # Files, Batches, Message Batches (SPEC §16)
+                await batches.handle(scope, receive, send)
             elif path in self.routes:
                 await self.routes[path](scope, receive, send)
             elif path.startswith("/v1/"):
@@ -84,6 +88,19 @@ class RelayHttpApp:
             # rather than let the server write its own HTML error page.
             logger.exception("unexpected error serving %s %s", scope.get("method"), path)
             try:
-                await send_error(send, RelayError(), flavor or "openai")
+                fallback = batches.flavor_of(path) if batches.serves(path) else "openai"
+                await send_error(send, RelayError(), flavor or fallback)
             except Exception:
                 pass  # the response had already started: the server ends it
+
+
+def refused_before_body(
+    method: str, path: str, headers: list[tuple[bytes, bytes]]
+) -> tuple[RelayError, Flavor] | None:
+    """For the server, before a request's body is read: the error a request to one of
+    the routes served here besides the relayed ones gets anyway (a file upload over
+    its size limit or without a valid key), with the envelope to answer it in."""
+    if not batches.serves(path):
+        return None
+    err = batches.refused_before_body(method, path, headers)
+    return None if err is None else (err, batches.flavor_of(path))

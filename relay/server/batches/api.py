@@ -1,0 +1,360 @@
+"""The routes of the Files, Batches and Message Batches APIs, served by the fast path.
+
+=========================================  ===========================================
+``POST /v1/files``                         upload (multipart, ``purpose=batch``)
+``GET /v1/files``, ``/v1/files/{id}``      list (``purpose``, ``limit``, ``after``), get
+``GET /v1/files/{id}/content``             the bytes (an output file: rendered)
+``DELETE /v1/files/{id}``                  delete
+``POST /v1/batches``                       create (``input_file_id``, ``endpoint``, ...)
+``GET /v1/batches``, ``/v1/batches/{id}``  list (``limit``, ``after``), get
+``POST /v1/batches/{id}/cancel``           cancel
+``POST /v1/messages/batches``              create (``requests``)
+``GET /v1/messages/batches[/{id}]``        list (``limit``, ``after_id``, ``before_id``), get
+``POST /v1/messages/batches/{id}/cancel``  cancel
+``GET /v1/messages/batches/{id}/results``  the results (JSONL)
+``DELETE /v1/messages/batches/{id}``       delete an ended batch
+=========================================  ===========================================
+
+Who asks decides what they see (:class:`~relay.server.batches.store.Owner`): an API
+key its own, the admin token (``Authorization: Bearer $MODELRELAY_ADMIN_TOKEN``)
+everyone's. Errors come in the envelope of the API asked (Anthropic's on
+``/v1/messages/batches``). The database work runs in worker threads.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+from urllib.parse import parse_qs
+
+import msgspec
+from django.conf import settings
+
+from batches.models import ANTHROPIC, OPENAI
+from relay.server import runtime
+from relay.server.batches import store, upload
+from relay.server.batches.db import in_thread
+from relay.server.batches.lines import anthropic_lines
+from relay.server.batches.store import Owner
+from relay.server.http.request import ClientGone, header, is_json, read_body, route_table
+from relay.server.http.send import (
+    SECURITY_HEADERS,
+    Receive,
+    Scope,
+    Send,
+    send_error,
+    send_json,
+    send_simple,
+)
+from relay.wire.errors import (
+    BadRequest,
+    Flavor,
+    MethodNotAllowed,
+    NotFound,
+    RelayError,
+    UnsupportedMediaType,
+)
+
+PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
+#: The body of ``POST /v1/batches`` (a few ids and the metadata) is small.
+MAX_CREATE_BYTES = 64 * 1024
+MAX_METADATA_KEYS = 16
+_decode = msgspec.json.Decoder().decode
+
+
+def serves(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in PREFIXES)
+
+
+def flavor_of(path: str) -> Flavor:
+    return "anthropic" if path.startswith("/v1/messages/") else "openai"
+
+
+def who(scope: Scope, flavor: Flavor) -> Owner:
+    """The owner the request speaks for; raises 401 when keys are required and it
+    carries no valid one (nor the admin token)."""
+    rt = runtime.current()
+    admin = settings.MODELRELAY_ADMIN_TOKEN
+    given = header(scope, b"authorization") or b""
+    if admin and hmac.compare_digest(given, b"Bearer " + admin.encode()):
+        return Owner(None, admin=True)
+    key_id, _ = rt.authenticate(scope["headers"], flavor)
+    if key_id is not None:
+        rt.limiter.check_expiry(key_id, rt.key_limits(key_id))
+    return Owner(key_id)
+
+
+def refused_before_body(
+    method: str, path: str, headers: list[tuple[bytes, bytes]]
+) -> RelayError | None:
+    """Under daphne, before an upload's body is read: the error it gets anyway."""
+    if method != "POST" or path != "/v1/files":
+        return None
+    try:
+        upload.check_head(headers, settings.BATCH_FILE_MAX_BYTES)
+        who({"headers": headers}, "openai")
+    except RelayError as err:
+        return err
+    return None
+
+
+async def handle(scope: Scope, receive: Receive, send: Send) -> None:
+    rt = runtime.current()
+    path: str = scope["path"]
+    method: str = scope["method"]
+    flavor = flavor_of(path)
+    cors = rt.cors.headers(header(scope, b"origin"))
+    if method == "OPTIONS" and cors is not None:
+        await send_simple(send, 204, cors + rt.cors.preflight(), b"")
+        return
+    await rt.ready()
+    try:
+        owner = who(scope, flavor)
+        await _route(scope, receive, send, owner, method, path.rstrip("/"), cors or [])
+    except ClientGone:
+        return
+    except RelayError as err:
+        await send_error(send, err, flavor, cors)
+
+
+async def _route(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    owner: Owner,
+    method: str,
+    path: str,
+    cors: list[tuple[bytes, bytes]],
+) -> None:
+    query = {k: v[0] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
+    base = _base_url(scope)
+    parts = path.split("/")[2:]
+    match (method, parts):
+        case ("POST", ["files"]):
+            document = await _upload(scope, receive, owner)
+        case ("GET", ["files"]):
+            limit = _limit(query, 10_000, default=10_000)
+            document = await in_thread(
+                store.list_files, owner, query.get("purpose"), limit, query.get("after")
+            )
+        case ("GET", ["files", file_id]):
+            document = await in_thread(store.file_info, owner, file_id)
+        case ("DELETE", ["files", file_id]):
+            document = await in_thread(store.delete_file, owner, file_id)
+        case ("GET", ["files", file_id, "content"]):
+            await _file_content(send, owner, file_id, cors)
+            return
+        case ("POST", ["batches"]):
+            document = await _create_openai(scope, receive, owner)
+        case ("GET", ["batches"]):
+            limit = _limit(query, 100)
+            document = await in_thread(
+                store.list_batches, owner, OPENAI, limit, query.get("after"), None, base
+            )
+        case ("GET", ["batches", batch_id]):
+            document = await in_thread(store.batch_info, owner, OPENAI, batch_id, base)
+        case ("POST", ["batches", batch_id, "cancel"]):
+            document = await in_thread(store.cancel_batch, owner, OPENAI, batch_id, base)
+            runtime.current().batches.poke()
+        case ("POST", ["messages", "batches"]):
+            document = await _create_anthropic(scope, receive, owner, base)
+        case ("GET", ["messages", "batches"]):
+            limit = _limit(query, 1000)
+            after, before = query.get("after_id"), query.get("before_id")
+            document = await in_thread(
+                store.list_batches, owner, ANTHROPIC, limit, after, before, base
+            )
+        case ("GET", ["messages", "batches", batch_id]):
+            document = await in_thread(store.batch_info, owner, ANTHROPIC, batch_id, base)
+        case ("DELETE", ["messages", "batches", batch_id]):
+            document = await in_thread(store.delete_batch, owner, ANTHROPIC, batch_id)
+        case ("POST", ["messages", "batches", batch_id, "cancel"]):
+            document = await in_thread(store.cancel_batch, owner, ANTHROPIC, batch_id, base)
+            runtime.current().batches.poke()
+        case ("GET", ["messages", "batches", batch_id, "results"]):
+            batch = await in_thread(store.results_source, owner, batch_id)
+            await _stream_lines(send, batch, "results", cors)
+            return
+        case _:
+            raise _no_route(method, path, parts)
+    await send_json(send, 200, document, cors)
+
+
+#: Every route's path pattern and the methods it takes (for 405 with ``Allow``).
+ROUTES: list[tuple[tuple[str, ...], str]] = [
+    (("files",), "GET, POST"),
+    (("files", "*"), "GET, DELETE"),
+    (("files", "*", "content"), "GET"),
+    (("batches",), "GET, POST"),
+    (("batches", "*"), "GET"),
+    (("batches", "*", "cancel"), "POST"),
+    (("messages", "batches"), "GET, POST"),
+    (("messages", "batches", "*"), "GET, DELETE"),
+    (("messages", "batches", "*", "cancel"), "POST"),
+    (("messages", "batches", "*", "results"), "GET"),
+]
+
+
+def _no_route(method: str, path: str, parts: list[str]) -> RelayError:
+    for pattern, allow in ROUTES:
+        if len(pattern) == len(parts) and all(
+            p in ("*", q) for p, q in zip(pattern, parts, strict=True)
+        ):
+            return MethodNotAllowed(f"Use {allow} for {path[:200]}", allow=allow)
+    return NotFound(f"No route for {method} {path[:200]}")
+
+
+def _limit(query: dict[str, str], most: int, *, default: int = 20) -> int:
+    raw = query.get("limit")
+    if raw is None:
+        return min(default, most)
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise BadRequest(f"limit must be an integer from 1 to {most}")
+    return int(raw)
+
+
+def _base_url(scope: Scope) -> str:
+    """Where this server is reached (for Anthropic's ``results_url``)."""
+    configured = str(settings.PUBLIC_URL).strip().rstrip("/")
+    if configured:
+        return configured
+    scheme = scope.get("scheme", "http")
+    host = (header(scope, b"host") or b"").decode("latin-1")
+    if not host:
+        name, port = scope.get("server") or ("127.0.0.1", 80)
+        default = {"http": 80, "https": 443}.get(scheme)
+        host = name if port in (None, default) else f"{name}:{port}"
+    return f"{scheme}://{host}"
+
+
+async def _json_body(scope: Scope, receive: Receive, limit: int) -> Any:
+    if not is_json(header(scope, b"content-type")):
+        raise UnsupportedMediaType()
+    raw = await read_body(receive, limit)
+    try:
+        return _decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        raise BadRequest("Request body is not valid JSON") from None
+
+
+async def _upload(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any]:
+    file_limit = settings.BATCH_FILE_MAX_BYTES
+    content_type = upload.check_head(scope["headers"], file_limit)
+    body, size = await upload.spool(receive, file_limit)
+    try:
+        received = await in_thread(upload.parse, content_type, body, size, file_limit)
+    finally:
+        body.close()
+    if received.purpose != store.INPUT_PURPOSE:
+        raise BadRequest("purpose: only 'batch' files are kept here")
+    return await in_thread(
+        store.create_file, owner, received.filename, received.purpose, received.content
+    )
+
+
+async def _create_openai(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any]:
+    document = await _json_body(scope, receive, MAX_CREATE_BYTES)
+    if not isinstance(document, dict):
+        raise BadRequest("Request body must be a JSON object")
+    input_file_id = document.get("input_file_id")
+    if not isinstance(input_file_id, str) or not input_file_id:
+        raise BadRequest("input_file_id: a file id is required")
+    endpoint = document.get("endpoint")
+    routes = route_table()
+    if not isinstance(endpoint, str) or endpoint not in routes:
+        shown = ", ".join(sorted(routes))
+        raise BadRequest(f"endpoint: one of {shown}")
+    window = document.get("completion_window")
+    if window != "24h":
+        raise BadRequest("completion_window: only '24h' is supported")
+    metadata = document.get("metadata")
+    if metadata is not None:
+        _check_metadata(metadata)
+    rt = runtime.current()
+    created = await in_thread(
+        store.create_openai_batch,
+        owner,
+        input_file_id,
+        endpoint,
+        window,
+        metadata,
+        settings.BATCH_COMPLETION_WINDOW_SECS,
+    )
+    rt.batches.poke()
+    return created
+
+
+def _check_metadata(metadata: Any) -> None:
+    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_KEYS:
+        raise BadRequest(f"metadata: an object of at most {MAX_METADATA_KEYS} entries")
+    for key, value in metadata.items():
+        if len(key) > 64 or not isinstance(value, str) or len(value) > 512:
+            raise BadRequest("metadata: keys of at most 64 and strings of at most 512 characters")
+
+
+async def _create_anthropic(
+    scope: Scope, receive: Receive, owner: Owner, base: str
+) -> dict[str, Any]:
+    rt = runtime.current()
+    limit = settings.BATCH_FILE_MAX_BYTES
+    if not is_json(header(scope, b"content-type")):
+        raise UnsupportedMediaType()
+    raw = await read_body(receive, limit)
+    known = frozenset(rt.relay.routable_models())
+    max_model_len = rt.config.max_model_name_len
+    config = rt.batches.config
+
+    def create() -> dict[str, Any]:
+        try:
+            document = _decode(raw)
+        except (msgspec.DecodeError, RecursionError):
+            raise BadRequest("Request body is not valid JSON") from None
+        specs = anthropic_lines(
+            document,
+            max_lines=config.max_lines,
+            max_model_len=max_model_len,
+            known=known.__contains__,
+        )
+        return store.create_anthropic_batch(owner, specs, config.window, config.max_queued, base)
+
+    created = await in_thread(create)
+    rt.batches.poke()
+    return created
+
+
+async def _file_content(
+    send: Send, owner: Owner, file_id: str, cors: list[tuple[bytes, bytes]]
+) -> None:
+    source = await in_thread(store.file_source, owner, file_id)
+    if source.batch_id is None:
+        content = source.content or b""
+        headers = [
+            (b"content-type", b"application/octet-stream"),
+            (b"content-length", str(len(content)).encode()),
+        ]
+        await send_simple(send, 200, headers + cors, content)
+        return
+    await _stream_lines(send, source.batch_id, source.kind, cors)
+
+
+async def _stream_lines(
+    send: Send, batch_id: int, kind: str, cors: list[tuple[bytes, bytes]]
+) -> None:
+    """A batch's output rendered page by page as it is sent (never held whole)."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"application/jsonl"), *SECURITY_HEADERS, *cors],
+        }
+    )
+    after = -1
+    while True:
+        page = await in_thread(store.result_page, batch_id, kind, after)
+        if not page:
+            break
+        after = page[-1][0]
+        await send(
+            {"type": "http.response.body", "body": b"".join(b for _, b in page), "more_body": True}
+        )
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
