@@ -319,10 +319,11 @@ async def test_batch_lines_only_take_free_slots_and_never_fill_the_queue(worker)
     # an interactive request is queued (not refused with 429) ...
     assert relay.queue_depth() == 0
     interactive = await HttpCall("POST", CHAT, chat()).send()
-    await until(lambda: relay.queue_depth() == 1)
-    # ... and the next free slot is its, not the batch's.
-    await worker.release(next(iter(worker.held)))
+    # ... and takes the slot of a batch line that has sent nothing yet (SPEC §15): that
+    # line goes back to the queue, to run again on the next free slot.
     await until(lambda: "hi" in worker.said())
+    assert relay.stats.preemptions == 1 and len(worker.cancels) == 1
+    assert relay.queue_depth() == 1
     interactive_id = worker.requests[-1].request_id
     await worker.release(interactive_id)
     status, _ = await interactive.json()
@@ -331,7 +332,7 @@ async def test_batch_lines_only_take_free_slots_and_never_fill_the_queue(worker)
     assert all(r.is_streaming is False for r in worker.requests)
     while worker.held:
         await worker.release(next(iter(worker.held)))
-        await until(lambda: worker.held or len(worker.requests) == 7, timeout=5)
+        await until(lambda: worker.held or len(worker.requests) == 8, timeout=5)
     done = await wait_batch(batch["id"], ended)
     assert done["request_counts"]["completed"] == 6
     assert worker.most_in_flight == 2
