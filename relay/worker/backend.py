@@ -189,6 +189,7 @@ class Backend:
             self.origin,
             connect_timeout=self.config.backend_connect_timeout,
             max_idle=MAX_IDLE_CONNECTIONS,
+            keepalive_secs=self.config.backend_keepalive_secs,
         )
         return self
 
@@ -272,8 +273,7 @@ class Backend:
             head = request_head(
                 self.origin, request.endpoint_path, _backend_headers(request.headers), len(body)
             )
-            conn = await self.pool.acquire()
-            resp = await conn.start(
+            conn, resp = await self.pool.exchange(
                 head,
                 body,
                 write_timeout=WRITE_TIMEOUT_SECS,

@@ -9,10 +9,17 @@ never held back for more). That path costs a small fraction of a general HTTP
 client's, which matters at thousands of chunks a second (docs/BENCHMARKS.md).
 
 One request at a time per connection (no pipelining), in the message syntax of
-:mod:`relay.worker.http1`; ``gzip``/``deflate`` bodies decoded (the worker asks for
-``identity``); plain TCP or TLS. Failures raise the ``httpx`` exceptions the worker
-already handles (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError`` ...), so
-``describe()`` names them as before.
+:mod:`relay.worker.http1` (responses parsed by llhttp); ``gzip``/``deflate`` bodies
+decoded (the worker asks for ``identity``); plain TCP or TLS. Failures raise the
+``httpx`` exceptions the worker already handles (``ConnectError``, ``ReadTimeout``,
+``RemoteProtocolError`` ...), so ``describe()`` names them as before.
+
+Kept-alive connections go stale: backends close idle ones after a few seconds
+(llama-server and uvicorn after 5), and a close can cross the next request on the
+wire. The pool retires a connection before the backend would (``keepalive_secs``),
+drops one whose close already arrived, and :meth:`ConnectionPool.exchange` sends a
+request once more, on a new connection, when a reused one ended without one byte of
+answer (docs/WORKER.md says why that is safe).
 
 Flow control: :meth:`BackendConnection.hold` stops reading the socket (TCP then slows
 the backend) and :meth:`BackendConnection.release` starts again; the read timeout
@@ -22,10 +29,10 @@ does not run while held. Imports nothing from Django.
 from __future__ import annotations
 
 import asyncio
+import logging
 import select
 import ssl
 import zlib
-from collections.abc import Callable
 from typing import cast
 
 import httpx
@@ -33,16 +40,16 @@ import httpx
 from relay.worker.http1 import (
     CHUNKED,
     LENGTH,
-    NO_BODY,
-    UNTIL_CLOSE,
-    ChunkedBody,
+    BodySink,
     Origin,
     ResponseHead,
+    ResponseReader,
     content_decoder,
-    parse_head,
 )
 
-BodySink = Callable[[bytes], None]
+log = logging.getLogger("modelrelay.worker")
+#: What a reused connection that ended without answering raises (the backend closed it).
+_STALE = (httpx.ReadError, httpx.RemoteProtocolError)
 
 
 class BodyTooLarge(Exception):
@@ -64,12 +71,13 @@ class BackendConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
-        self._buf = b""
+        #: Exchanges started on this connection (more than one: it was reused).
+        self.exchanges = 0
+        #: Whether a byte of the current exchange's response arrived.
+        self.answered = False
+        self._reader = ResponseReader(self._begin, self._deliver)
         self._head: asyncio.Future[ResponseHead] | None = None
         self._done: asyncio.Future[None] | None = None
-        self._framing = NO_BODY
-        self._remaining = 0
-        self._chunks = ChunkedBody()
         self._reusable = False
         self._sink: BodySink | None = None
         self._early: list[bytes] = []
@@ -99,17 +107,19 @@ class BackendConnection(asyncio.Protocol):
             self._writable.set_result(None)
         if not self._active:
             return
-        if self._framing == UNTIL_CLOSE and exc is None and self._done is not None:
+        reader = self._reader
+        if exc is None and reader.until_close:
             self._end_body()  # the close is the end of a close-delimited body
             return
         if exc is not None:
             self._fail(httpx.ReadError(str(exc) or type(exc).__name__))
-        elif self._head is not None and not self._head.done():
+        elif reader.head is None:
             self._fail(httpx.RemoteProtocolError("Server disconnected without sending a response."))
         else:
-            what = "incomplete chunked read" if self._framing == CHUNKED else "received less "
-            if self._framing == LENGTH:
-                what += f"than content-length; {self._remaining} bytes missing"
+            framing = reader.head.framing
+            what = "incomplete chunked read" if framing == CHUNKED else "received less "
+            if framing == LENGTH:
+                what += "than content-length"
             self._fail(
                 httpx.RemoteProtocolError(
                     f"peer closed connection without sending complete message body ({what})"
@@ -133,40 +143,14 @@ class BackendConnection(asyncio.Protocol):
             # Idle, or after the end of a response: a well-behaved server sends nothing.
             self.abort()
             return
-        if self._buf:
-            data = self._buf + data
-            self._buf = b""
+        self.answered = True
+        reader = self._reader
         try:
-            if self._head is not None:
-                parsed = parse_head(data)
-                if parsed is None:
-                    self._buf = data  # the head is not complete yet
-                    return
-                head, data = parsed
-                self._begin(head)
-            if self._framing == CHUNKED:
-                body = self._chunks.feed(data)
-                if body:
-                    self._deliver(body)
-                if self._chunks.done:
-                    self._end_body()
-            elif self._framing == LENGTH:
-                if len(data) >= self._remaining:
-                    body, extra = data[: self._remaining], data[self._remaining :]
-                    self._remaining = 0
-                    if extra:
-                        raise httpx.RemoteProtocolError("data after the end of the response")
-                    if body:
-                        self._deliver(body)
-                    self._end_body()
-                else:
-                    self._remaining -= len(data)
-                    self._deliver(data)
-            elif self._framing == UNTIL_CLOSE:
-                if data:
-                    self._deliver(data)
-            elif data:
-                raise httpx.RemoteProtocolError("data after the end of the response")
+            # Body bytes reach the sink from inside feed(), through _deliver.
+            reader.feed(data)
+            if reader.complete:
+                # Only once the whole read parsed: bytes after the end fail the exchange.
+                self._end_body()
         except (httpx.HTTPError, BodyTooLarge, zlib.error) as exc:
             if isinstance(exc, zlib.error):
                 exc = httpx.DecodingError(f"cannot decode the response body: {exc}")
@@ -174,18 +158,13 @@ class BackendConnection(asyncio.Protocol):
             self.abort()
 
     def _begin(self, head: ResponseHead) -> None:
-        """The response head arrived: hand it to :meth:`start`, set up the body."""
-        self._framing, self._remaining = head.framing, head.length
+        """The response head arrived (from the reader): hand it to :meth:`start`."""
         self._reusable = head.keep_alive
-        if head.framing == CHUNKED:
-            self._chunks = ChunkedBody()
         if head.content_encoding:
             self._inflate = content_decoder(head.content_encoding)
         waiter, self._head = self._head, None
         if waiter is not None and not waiter.done():
             waiter.set_result(head)
-        if head.framing == NO_BODY:
-            self._end_body()
 
     def _deliver(self, data: bytes) -> None:
         if self._inflate is not None:
@@ -208,7 +187,6 @@ class BackendConnection(asyncio.Protocol):
             self._inflate = None
             if rest:
                 self._deliver(rest)
-        self._framing = NO_BODY
         self._active = False
         self._stop_timer()
         done = self._done
@@ -241,9 +219,10 @@ class BackendConnection(asyncio.Protocol):
         self._head = loop.create_future()
         self._done = loop.create_future()
         self._read_timeout = read_timeout
-        self._framing, self._sink, self._parts, self._early = NO_BODY, None, None, []
-        self._buf, self._inflate = b"", None
-        self._reusable, self._active = False, True
+        self._sink, self._parts, self._early, self._inflate = None, None, [], None
+        self._reader.expect()
+        self.exchanges += 1
+        self._reusable, self._active, self.answered = False, True, False
         transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             transport.write(body)
@@ -399,9 +378,11 @@ class BackendConnection(asyncio.Protocol):
 class ConnectionPool:
     """Connections to one backend: idle ones kept for reuse, new ones opened as needed.
 
-    At most ``max_idle`` idle connections are kept, each for at most ``keepalive_secs``
-    (backends close idle connections after a few seconds: uvicorn, under vLLM, after 5).
-    A connection the backend closes while idle leaves the pool at once.
+    At most ``max_idle`` idle connections are kept, each reused for at most
+    ``keepalive_secs`` after its last exchange: less than the backend keeps it open
+    (llama-server, and uvicorn under vLLM, close after 5 s), so the backend's close does
+    not meet the next request. 0 reuses none. A connection the backend closes while idle
+    leaves the pool at once, and one whose close is on its way is not taken.
     """
 
     def __init__(
@@ -410,7 +391,7 @@ class ConnectionPool:
         *,
         connect_timeout: float,
         max_idle: int = 64,
-        keepalive_secs: float = 5.0,
+        keepalive_secs: float = 4.0,
     ) -> None:
         self.origin = origin
         self.connect_timeout = connect_timeout
@@ -418,10 +399,45 @@ class ConnectionPool:
         self.keepalive_secs = keepalive_secs
         self.loop = asyncio.get_running_loop()
         self._idle: list[BackendConnection] = []
+        #: Requests sent again because a reused connection closed unanswered.
+        self.resent = 0
         self._ssl: ssl.SSLContext | None = None
         if origin.scheme == "https":
             self._ssl = httpx.create_ssl_context()
             self._ssl.set_alpn_protocols(["http/1.1"])
+
+    async def exchange(
+        self, head: bytes, body: bytes, *, write_timeout: float, read_timeout: float | None
+    ) -> tuple[BackendConnection, ResponseHead]:
+        """Send a request on a pooled connection; the connection and the response head.
+
+        A reused connection that ends without one byte of answer was closed by the
+        backend before it read the request (its idle timeout crossing the request): the
+        request goes once more, on a new connection, and fails as usual if that one
+        fails too. Whatever else fails closes the connection and raises.
+        """
+        conn = await self.acquire()
+        try:
+            return conn, await conn.start(
+                head, body, write_timeout=write_timeout, read_timeout=read_timeout
+            )
+        except _STALE as exc:
+            conn.abort()
+            if conn.exchanges < 2 or conn.answered:
+                raise
+            log.debug("the backend closed a kept-alive connection (%s); sending again", exc)
+        except BaseException:
+            conn.abort()
+            raise
+        self.resent += 1
+        conn = await self._connect()
+        try:
+            return conn, await conn.start(
+                head, body, write_timeout=write_timeout, read_timeout=read_timeout
+            )
+        except BaseException:
+            conn.abort()
+            raise
 
     async def acquire(self) -> BackendConnection:
         """An idle connection still fresh, else a new one."""
@@ -435,7 +451,12 @@ class ConnectionPool:
 
     def release(self, conn: BackendConnection) -> None:
         """Return ``conn`` after an exchange: kept when reusable and there is room."""
-        if not conn.reusable or conn.held or len(self._idle) >= self.max_idle:
+        if (
+            not conn.reusable
+            or conn.held
+            or len(self._idle) >= self.max_idle
+            or self.keepalive_secs <= 0
+        ):
             conn.abort()
             return
         conn.idle_since = self.loop.time()
