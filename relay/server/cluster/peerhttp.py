@@ -44,24 +44,34 @@ class PeerRefused(PeerError):
 
 
 class _Conn:
-    __slots__ = ("reader", "writer")
+    __slots__ = ("parsed", "reader", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
+        self.parsed = _Response()
 
     def close(self) -> None:
         self.writer.transport.abort()
 
 
 class _Response:
-    """llhttp's callbacks for one response; what it parsed so far."""
+    """llhttp's callbacks for the responses of one connection; what it parsed so far.
+
+    One per connection, reset by :meth:`expect` for each request: the parser and this
+    object refer to each other, and a pair per request would be garbage for the
+    cycle collector.
+    """
 
     __slots__ = ("_interim", "_parser", "body", "complete", "headers", "keep_alive", "received",
                  "status", "until_close")  # fmt: skip
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
+        self.expect()
+
+    def expect(self) -> None:
+        """Expect a new response (before a request is written)."""
         self.status = 0  # set once the final response's head is complete
         self.headers: list[tuple[str, str]] = []
         self.keep_alive = False
@@ -238,7 +248,8 @@ class PeerClient:
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
         for attempt in (1, 2):
             conn, reused = await self._connect(address)
-            parsed = _Response()
+            parsed = conn.parsed
+            parsed.expect()
             try:
                 conn.writer.write(request)
                 async with asyncio.timeout(WRITE_SECS):
