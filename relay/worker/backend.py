@@ -27,9 +27,10 @@ from relay.wire.protocol import Request, ResponseComplete
 from relay.wire.sse import error_event
 from relay.worker import network
 from relay.worker.config import Config
-from relay.worker.connection import BackendConnection, BodyTooLarge, ConnectionPool
+from relay.worker.connection import BackendConnection, BodyTooLarge
 from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
+from relay.worker.pool import ConnectionPool
 from relay.worker.usage import UsageScanner
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).

@@ -1,7 +1,8 @@
-"""HTTP/1.1 connections to the backend, kept alive in a small pool, as asyncio protocols.
+"""One HTTP/1.1 connection to the backend, as an asyncio protocol.
 
-:class:`relay.worker.backend.Backend` forwards every request through a
-:class:`ConnectionPool`. A streamed response body reaches its consumer from the
+:class:`relay.worker.backend.Backend` forwards every request on one of these, taken
+from its :class:`relay.worker.pool.ConnectionPool`. A streamed response body reaches
+its consumer from the
 connection's ``data_received`` callback, in the event loop's own I/O step: no task
 wakes up per read, no per-read timeout object is built, and everything one socket
 read returned arrives as one piece (what the backend wrote since the last read,
@@ -14,12 +15,10 @@ decoded (the worker asks for ``identity``); plain TCP or TLS. Failures raise the
 ``httpx`` exceptions the worker already handles (``ConnectError``, ``ReadTimeout``,
 ``RemoteProtocolError`` ...), so ``describe()`` names them as before.
 
-Kept-alive connections go stale: backends close idle ones after a few seconds
-(llama-server and uvicorn after 5), and a close can cross the next request on the
-wire. The pool retires a connection before the backend would (``keepalive_secs``),
-drops one whose close already arrived, and :meth:`ConnectionPool.exchange` sends a
-request once more, on a new connection, when a reused one ended without one byte of
-answer (docs/WORKER.md says why that is safe).
+A connection tells its pool what it knows of going stale: how many exchanges it
+started (:attr:`BackendConnection.exchanges`), whether a byte of the current answer
+came (:attr:`BackendConnection.answered`), and whether a close from the backend waits
+unread (:meth:`BackendConnection.quiet`).
 
 Flow control: :meth:`BackendConnection.hold` stops reading the socket (TCP then slows
 the backend) and :meth:`BackendConnection.release` starts again; the read timeout
@@ -29,10 +28,9 @@ does not run while held. Imports nothing from Django.
 from __future__ import annotations
 
 import asyncio
-import logging
 import select
-import ssl
 import zlib
+from collections.abc import Callable
 from typing import cast
 
 import httpx
@@ -41,15 +39,10 @@ from relay.worker.http1 import (
     CHUNKED,
     LENGTH,
     BodySink,
-    Origin,
     ResponseHead,
     ResponseReader,
     content_decoder,
 )
-
-log = logging.getLogger("modelrelay.worker")
-#: What a reused connection that ended without answering raises (the backend closed it).
-_STALE = (httpx.ReadError, httpx.RemoteProtocolError)
 
 
 class BodyTooLarge(Exception):
@@ -65,9 +58,12 @@ class BackendConnection(asyncio.Protocol):
     closes the connection and raises from the awaited call.
     """
 
-    def __init__(self, pool: ConnectionPool) -> None:
-        self._pool = pool
-        self._loop = pool.loop
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, forget: Callable[[BackendConnection], None]
+    ) -> None:
+        #: Called once the connection closed (its pool drops it).
+        self._forget = forget
+        self._loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -101,7 +97,7 @@ class BackendConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
-        self._pool.forget(self)
+        self._forget(self)
         self._stop_timer()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
@@ -363,7 +359,7 @@ class BackendConnection(asyncio.Protocol):
         self.closed = True
         self._active = False
         self._stop_timer()
-        self._pool.forget(self)
+        self._forget(self)
         if self.transport is not None:
             self.transport.abort()
         for waiter in (self._head, self._done):
@@ -373,117 +369,3 @@ class BackendConnection(asyncio.Protocol):
                 waiter.cancel()
             elif not waiter.cancelled():
                 waiter.exception()  # retrieved: whoever awaits it still gets it
-
-
-class ConnectionPool:
-    """Connections to one backend: idle ones kept for reuse, new ones opened as needed.
-
-    At most ``max_idle`` idle connections are kept, each reused for at most
-    ``keepalive_secs`` after its last exchange: less than the backend keeps it open
-    (llama-server, and uvicorn under vLLM, close after 5 s), so the backend's close does
-    not meet the next request. 0 reuses none. A connection the backend closes while idle
-    leaves the pool at once, and one whose close is on its way is not taken.
-    """
-
-    def __init__(
-        self,
-        origin: Origin,
-        *,
-        connect_timeout: float,
-        max_idle: int = 64,
-        keepalive_secs: float = 4.0,
-    ) -> None:
-        self.origin = origin
-        self.connect_timeout = connect_timeout
-        self.max_idle = max_idle
-        self.keepalive_secs = keepalive_secs
-        self.loop = asyncio.get_running_loop()
-        self._idle: list[BackendConnection] = []
-        #: Requests sent again because a reused connection closed unanswered.
-        self.resent = 0
-        self._ssl: ssl.SSLContext | None = None
-        if origin.scheme == "https":
-            self._ssl = httpx.create_ssl_context()
-            self._ssl.set_alpn_protocols(["http/1.1"])
-
-    async def exchange(
-        self, head: bytes, body: bytes, *, write_timeout: float, read_timeout: float | None
-    ) -> tuple[BackendConnection, ResponseHead]:
-        """Send a request on a pooled connection; the connection and the response head.
-
-        A reused connection that ends without one byte of answer was closed by the
-        backend before it read the request (its idle timeout crossing the request): the
-        request goes once more, on a new connection, and fails as usual if that one
-        fails too. Whatever else fails closes the connection and raises.
-        """
-        conn = await self.acquire()
-        try:
-            return conn, await conn.start(
-                head, body, write_timeout=write_timeout, read_timeout=read_timeout
-            )
-        except _STALE as exc:
-            conn.abort()
-            if conn.exchanges < 2 or conn.answered:
-                raise
-            log.debug("the backend closed a kept-alive connection (%s); sending again", exc)
-        except BaseException:
-            conn.abort()
-            raise
-        self.resent += 1
-        conn = await self._connect()
-        try:
-            return conn, await conn.start(
-                head, body, write_timeout=write_timeout, read_timeout=read_timeout
-            )
-        except BaseException:
-            conn.abort()
-            raise
-
-    async def acquire(self) -> BackendConnection:
-        """An idle connection still fresh, else a new one."""
-        now = self.loop.time()
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_secs and conn.quiet():
-                return conn
-            conn.abort()
-        return await self._connect()
-
-    def release(self, conn: BackendConnection) -> None:
-        """Return ``conn`` after an exchange: kept when reusable and there is room."""
-        if (
-            not conn.reusable
-            or conn.held
-            or len(self._idle) >= self.max_idle
-            or self.keepalive_secs <= 0
-        ):
-            conn.abort()
-            return
-        conn.idle_since = self.loop.time()
-        self._idle.append(conn)
-
-    def forget(self, conn: BackendConnection) -> None:
-        if conn in self._idle:
-            self._idle.remove(conn)
-
-    def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.abort()
-
-    async def _connect(self) -> BackendConnection:
-        o = self.origin
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await self.loop.create_connection(
-                    lambda: BackendConnection(self),
-                    o.host,
-                    o.port,
-                    ssl=self._ssl,
-                    server_hostname=o.host if self._ssl is not None else None,
-                )
-        except TimeoutError:
-            raise httpx.ConnectTimeout(f"timed out connecting to {o.host}:{o.port}") from None
-        except (OSError, ssl.SSLError) as exc:
-            raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
-        return conn

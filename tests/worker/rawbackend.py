@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from relay.worker.connection import BackendConnection, ConnectionPool
+from relay.worker.connection import BackendConnection
 from relay.worker.http1 import MAX_HEAD_BYTES, Origin, ResponseHead, request_head
+from relay.worker.pool import ConnectionPool
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
