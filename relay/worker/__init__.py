@@ -2,11 +2,13 @@
 
 ``config`` (flags and environment), ``session`` (one WebSocket connection to the
 relay), ``outbox`` (the frames it writes), ``backend`` (discovery and forwarding to
-the local inference server), ``connection`` (the keep-alive HTTP/1.1 connections
-requests are forwarded on) with ``http1`` (their message syntax), ``network`` (the
-discovery client's sockets) and ``usage`` (token counts read from backend
-responses). Shipped to GPU boxes, bundled into ``/setup/worker.pyz``.
+the local inference server), ``pool`` (the keep-alive HTTP/1.1 connections requests
+are forwarded on), ``connection`` (one of them) with ``http1`` (their message syntax,
+read by llhttp), ``network`` (the discovery client's sockets) and ``usage`` (token
+counts read from backend responses). Shipped to GPU boxes, bundled into
+``/setup/worker.pyz``.
 
-May import: :mod:`relay.wire`, ``websockets``, ``httpx`` and ``msgspec``; never
+May import: :mod:`relay.wire`, ``websockets``, ``httpx``, ``msgspec`` and
+``httptools``; never
 :mod:`relay.core`, :mod:`relay.server`, :mod:`relay.pages` or Django.
 """

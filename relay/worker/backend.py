@@ -27,9 +27,10 @@ from relay.wire.protocol import Request, ResponseComplete
 from relay.wire.sse import error_event
 from relay.worker import network
 from relay.worker.config import Config
-from relay.worker.connection import BackendConnection, BodyTooLarge, ConnectionPool
+from relay.worker.connection import BackendConnection, BodyTooLarge
 from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
+from relay.worker.pool import ConnectionPool
 from relay.worker.usage import UsageScanner
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
@@ -189,6 +190,7 @@ class Backend:
             self.origin,
             connect_timeout=self.config.backend_connect_timeout,
             max_idle=MAX_IDLE_CONNECTIONS,
+            keepalive_secs=self.config.backend_keepalive_secs,
         )
         return self
 
@@ -272,8 +274,7 @@ class Backend:
             head = request_head(
                 self.origin, request.endpoint_path, _backend_headers(request.headers), len(body)
             )
-            conn = await self.pool.acquire()
-            resp = await conn.start(
+            conn, resp = await self.pool.exchange(
                 head,
                 body,
                 write_timeout=WRITE_TIMEOUT_SECS,

@@ -40,6 +40,7 @@ class Config:
     server_silence_secs: float  # 0: derived from the relay's ping period (register_ack)
     backend_connect_timeout: float
     backend_read_timeout: float | None
+    backend_keepalive_secs: float
     discovery_timeout: float
 
     @property
@@ -113,6 +114,7 @@ OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
     ("--server-silence-secs", "SERVER_SILENCE_SECS", "0", _seconds, None),
     ("--backend-connect-timeout", "BACKEND_CONNECT_TIMEOUT_SECS", "10", _seconds, None),
     ("--backend-read-timeout", "BACKEND_READ_TIMEOUT_SECS", "600", _seconds, None),
+    ("--backend-keepalive-secs", "BACKEND_KEEPALIVE_SECS", "4", _seconds, None),
     ("--discovery-timeout", "WORKER_DISCOVERY_TIMEOUT_SECS", "5", _seconds, None),
 ]  # fmt: skip
 

@@ -1,7 +1,8 @@
-"""HTTP/1.1 connections to the backend, kept alive in a small pool, as asyncio protocols.
+"""One HTTP/1.1 connection to the backend, as an asyncio protocol.
 
-:class:`relay.worker.backend.Backend` forwards every request through a
-:class:`ConnectionPool`. A streamed response body reaches its consumer from the
+:class:`relay.worker.backend.Backend` forwards every request on one of these, taken
+from its :class:`relay.worker.pool.ConnectionPool`. A streamed response body reaches
+its consumer from the
 connection's ``data_received`` callback, in the event loop's own I/O step: no task
 wakes up per read, no per-read timeout object is built, and everything one socket
 read returned arrives as one piece (what the backend wrote since the last read,
@@ -9,10 +10,15 @@ never held back for more). That path costs a small fraction of a general HTTP
 client's, which matters at thousands of chunks a second (docs/BENCHMARKS.md).
 
 One request at a time per connection (no pipelining), in the message syntax of
-:mod:`relay.worker.http1`; ``gzip``/``deflate`` bodies decoded (the worker asks for
-``identity``); plain TCP or TLS. Failures raise the ``httpx`` exceptions the worker
-already handles (``ConnectError``, ``ReadTimeout``, ``RemoteProtocolError`` ...), so
-``describe()`` names them as before.
+:mod:`relay.worker.http1` (responses parsed by llhttp); ``gzip``/``deflate`` bodies
+decoded (the worker asks for ``identity``); plain TCP or TLS. Failures raise the
+``httpx`` exceptions the worker already handles (``ConnectError``, ``ReadTimeout``,
+``RemoteProtocolError`` ...), so ``describe()`` names them as before.
+
+A connection tells its pool what it knows of going stale: how many exchanges it
+started (:attr:`BackendConnection.exchanges`), whether a byte of the current answer
+came (:attr:`BackendConnection.answered`), and whether a close from the backend waits
+unread (:meth:`BackendConnection.quiet`).
 
 Flow control: :meth:`BackendConnection.hold` stops reading the socket (TCP then slows
 the backend) and :meth:`BackendConnection.release` starts again; the read timeout
@@ -23,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import select
-import ssl
 import zlib
 from collections.abc import Callable
 from typing import cast
@@ -33,16 +38,11 @@ import httpx
 from relay.worker.http1 import (
     CHUNKED,
     LENGTH,
-    NO_BODY,
-    UNTIL_CLOSE,
-    ChunkedBody,
-    Origin,
+    BodySink,
     ResponseHead,
+    ResponseReader,
     content_decoder,
-    parse_head,
 )
-
-BodySink = Callable[[bytes], None]
 
 
 class BodyTooLarge(Exception):
@@ -58,18 +58,22 @@ class BackendConnection(asyncio.Protocol):
     closes the connection and raises from the awaited call.
     """
 
-    def __init__(self, pool: ConnectionPool) -> None:
-        self._pool = pool
-        self._loop = pool.loop
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, forget: Callable[[BackendConnection], None]
+    ) -> None:
+        #: Called once the connection closed (its pool drops it).
+        self._forget = forget
+        self._loop = loop
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
-        self._buf = b""
+        #: Exchanges started on this connection (more than one: it was reused).
+        self.exchanges = 0
+        #: Whether a byte of the current exchange's response arrived.
+        self.answered = False
+        self._reader = ResponseReader(self._begin, self._deliver)
         self._head: asyncio.Future[ResponseHead] | None = None
         self._done: asyncio.Future[None] | None = None
-        self._framing = NO_BODY
-        self._remaining = 0
-        self._chunks = ChunkedBody()
         self._reusable = False
         self._sink: BodySink | None = None
         self._early: list[bytes] = []
@@ -93,23 +97,25 @@ class BackendConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.transport = None
-        self._pool.forget(self)
+        self._forget(self)
         self._stop_timer()
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
         if not self._active:
             return
-        if self._framing == UNTIL_CLOSE and exc is None and self._done is not None:
+        reader = self._reader
+        if exc is None and reader.until_close:
             self._end_body()  # the close is the end of a close-delimited body
             return
         if exc is not None:
             self._fail(httpx.ReadError(str(exc) or type(exc).__name__))
-        elif self._head is not None and not self._head.done():
+        elif reader.head is None:
             self._fail(httpx.RemoteProtocolError("Server disconnected without sending a response."))
         else:
-            what = "incomplete chunked read" if self._framing == CHUNKED else "received less "
-            if self._framing == LENGTH:
-                what += f"than content-length; {self._remaining} bytes missing"
+            framing = reader.head.framing
+            what = "incomplete chunked read" if framing == CHUNKED else "received less "
+            if framing == LENGTH:
+                what += "than content-length"
             self._fail(
                 httpx.RemoteProtocolError(
                     f"peer closed connection without sending complete message body ({what})"
@@ -133,40 +139,14 @@ class BackendConnection(asyncio.Protocol):
             # Idle, or after the end of a response: a well-behaved server sends nothing.
             self.abort()
             return
-        if self._buf:
-            data = self._buf + data
-            self._buf = b""
+        self.answered = True
+        reader = self._reader
         try:
-            if self._head is not None:
-                parsed = parse_head(data)
-                if parsed is None:
-                    self._buf = data  # the head is not complete yet
-                    return
-                head, data = parsed
-                self._begin(head)
-            if self._framing == CHUNKED:
-                body = self._chunks.feed(data)
-                if body:
-                    self._deliver(body)
-                if self._chunks.done:
-                    self._end_body()
-            elif self._framing == LENGTH:
-                if len(data) >= self._remaining:
-                    body, extra = data[: self._remaining], data[self._remaining :]
-                    self._remaining = 0
-                    if extra:
-                        raise httpx.RemoteProtocolError("data after the end of the response")
-                    if body:
-                        self._deliver(body)
-                    self._end_body()
-                else:
-                    self._remaining -= len(data)
-                    self._deliver(data)
-            elif self._framing == UNTIL_CLOSE:
-                if data:
-                    self._deliver(data)
-            elif data:
-                raise httpx.RemoteProtocolError("data after the end of the response")
+            # Body bytes reach the sink from inside feed(), through _deliver.
+            reader.feed(data)
+            if reader.complete:
+                # Only once the whole read parsed: bytes after the end fail the exchange.
+                self._end_body()
         except (httpx.HTTPError, BodyTooLarge, zlib.error) as exc:
             if isinstance(exc, zlib.error):
                 exc = httpx.DecodingError(f"cannot decode the response body: {exc}")
@@ -174,18 +154,13 @@ class BackendConnection(asyncio.Protocol):
             self.abort()
 
     def _begin(self, head: ResponseHead) -> None:
-        """The response head arrived: hand it to :meth:`start`, set up the body."""
-        self._framing, self._remaining = head.framing, head.length
+        """The response head arrived (from the reader): hand it to :meth:`start`."""
         self._reusable = head.keep_alive
-        if head.framing == CHUNKED:
-            self._chunks = ChunkedBody()
         if head.content_encoding:
             self._inflate = content_decoder(head.content_encoding)
         waiter, self._head = self._head, None
         if waiter is not None and not waiter.done():
             waiter.set_result(head)
-        if head.framing == NO_BODY:
-            self._end_body()
 
     def _deliver(self, data: bytes) -> None:
         if self._inflate is not None:
@@ -208,7 +183,6 @@ class BackendConnection(asyncio.Protocol):
             self._inflate = None
             if rest:
                 self._deliver(rest)
-        self._framing = NO_BODY
         self._active = False
         self._stop_timer()
         done = self._done
@@ -241,9 +215,10 @@ class BackendConnection(asyncio.Protocol):
         self._head = loop.create_future()
         self._done = loop.create_future()
         self._read_timeout = read_timeout
-        self._framing, self._sink, self._parts, self._early = NO_BODY, None, None, []
-        self._buf, self._inflate = b"", None
-        self._reusable, self._active = False, True
+        self._sink, self._parts, self._early, self._inflate = None, None, [], None
+        self._reader.expect()
+        self.exchanges += 1
+        self._reusable, self._active, self.answered = False, True, False
         transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             transport.write(body)
@@ -384,7 +359,7 @@ class BackendConnection(asyncio.Protocol):
         self.closed = True
         self._active = False
         self._stop_timer()
-        self._pool.forget(self)
+        self._forget(self)
         if self.transport is not None:
             self.transport.abort()
         for waiter in (self._head, self._done):
@@ -394,75 +369,3 @@ class BackendConnection(asyncio.Protocol):
                 waiter.cancel()
             elif not waiter.cancelled():
                 waiter.exception()  # retrieved: whoever awaits it still gets it
-
-
-class ConnectionPool:
-    """Connections to one backend: idle ones kept for reuse, new ones opened as needed.
-
-    At most ``max_idle`` idle connections are kept, each for at most ``keepalive_secs``
-    (backends close idle connections after a few seconds: uvicorn, under vLLM, after 5).
-    A connection the backend closes while idle leaves the pool at once.
-    """
-
-    def __init__(
-        self,
-        origin: Origin,
-        *,
-        connect_timeout: float,
-        max_idle: int = 64,
-        keepalive_secs: float = 5.0,
-    ) -> None:
-        self.origin = origin
-        self.connect_timeout = connect_timeout
-        self.max_idle = max_idle
-        self.keepalive_secs = keepalive_secs
-        self.loop = asyncio.get_running_loop()
-        self._idle: list[BackendConnection] = []
-        self._ssl: ssl.SSLContext | None = None
-        if origin.scheme == "https":
-            self._ssl = httpx.create_ssl_context()
-            self._ssl.set_alpn_protocols(["http/1.1"])
-
-    async def acquire(self) -> BackendConnection:
-        """An idle connection still fresh, else a new one."""
-        now = self.loop.time()
-        while self._idle:
-            conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_secs and conn.quiet():
-                return conn
-            conn.abort()
-        return await self._connect()
-
-    def release(self, conn: BackendConnection) -> None:
-        """Return ``conn`` after an exchange: kept when reusable and there is room."""
-        if not conn.reusable or conn.held or len(self._idle) >= self.max_idle:
-            conn.abort()
-            return
-        conn.idle_since = self.loop.time()
-        self._idle.append(conn)
-
-    def forget(self, conn: BackendConnection) -> None:
-        if conn in self._idle:
-            self._idle.remove(conn)
-
-    def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.abort()
-
-    async def _connect(self) -> BackendConnection:
-        o = self.origin
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                _, conn = await self.loop.create_connection(
-                    lambda: BackendConnection(self),
-                    o.host,
-                    o.port,
-                    ssl=self._ssl,
-                    server_hostname=o.host if self._ssl is not None else None,
-                )
-        except TimeoutError:
-            raise httpx.ConnectTimeout(f"timed out connecting to {o.host}:{o.port}") from None
-        except (OSError, ssl.SSLError) as exc:
-            raise httpx.ConnectError(str(exc) or type(exc).__name__) from exc
-        return conn

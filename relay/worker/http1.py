@@ -1,28 +1,33 @@
 """HTTP/1.1 message syntax for the worker's backend connections (RFC 9112).
 
-:mod:`relay.worker.connection` writes :func:`request_head` and reads responses with
-:func:`parse_head` and :class:`ChunkedBody`. Only what forwarding needs: ``POST``
-requests with a ``content-length`` body; responses framed by ``content-length``,
-``transfer-encoding: chunked`` or the connection's close, ``1xx`` interim responses
-skipped. Malformed input raises ``httpx.RemoteProtocolError`` (and unsendable
-requests ``httpx.LocalProtocolError``), the exceptions the worker already reports.
-Imports nothing from Django.
+:mod:`relay.worker.connection` writes :func:`request_head` and reads responses with a
+:class:`ResponseReader`, around llhttp (``httptools``), the parser of Node.js and
+uvicorn. Only what forwarding needs: ``POST`` requests with a ``content-length`` body;
+responses framed by ``content-length``, ``transfer-encoding: chunked`` or the
+connection's close, ``1xx`` interim responses skipped. Malformed input raises
+``httpx.RemoteProtocolError`` (and unsendable requests ``httpx.LocalProtocolError``),
+the exceptions the worker already reports. Imports nothing from Django.
 """
 
 from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
+import httptools
 import httpx
 
 #: How a response's body is delimited (RFC 9112 §6.3).
 LENGTH, CHUNKED, UNTIL_CLOSE, NO_BODY = range(4)
 
-#: A response head (status line and headers) larger than this is refused.
+#: A response whose head (interim responses included) has not ended within this many
+#: bytes is refused.
 MAX_HEAD_BYTES = 64 * 1024
+#: Receives body bytes as they are read.
+BodySink = Callable[[bytes], None]
 #: Header names a request may carry: RFC 9110 tokens.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 #: Characters a request target may hold as they are; anything else is percent-encoded.
@@ -93,10 +98,6 @@ def request_head(origin: Origin, path: str, headers: dict[str, str], length: int
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
 
 
-# Where a chunked body's decoder is.
-_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
-
-
 def content_decoder(encoding: str) -> zlib._Decompress | None:
     """A decompressor for a ``content-encoding`` httpx decodes too, else None."""
     encoding = encoding.strip().lower()
@@ -107,125 +108,128 @@ def content_decoder(encoding: str) -> zlib._Decompress | None:
     return None  # identity, or an encoding httpx would not decode either
 
 
-def parse_head(data: bytes) -> tuple[ResponseHead, bytes] | None:
-    """The response head at the start of ``data`` and the bytes after it.
+class ResponseReader:
+    """Reads the responses of one connection, fed the bytes as they are read.
 
-    None while the head is incomplete. Interim (``1xx``) responses are skipped.
+    The syntax is checked by llhttp (Node.js's HTTP parser, through ``httptools``): a
+    chunk size is hex digits only (no sign, ``0x`` or ``_``), a ``Content-Length``
+    ASCII digits only, and a response with both ``Content-Length`` and
+    ``Transfer-Encoding`` is refused (RFC 9112 §6.3: a message framed two ways is a
+    smuggling attempt or a broken server; either way its end is unknown). This class
+    adds what llhttp leaves to its user: interim (``1xx``) responses skipped, the size
+    limit of a head, the framing in :class:`ResponseHead`, and the end of a body
+    delimited by the connection's close (:attr:`until_close`).
+
+    ``on_head`` gets the final response's head; ``on_body`` every piece of its body
+    (llhttp calls it directly, once per piece of body one :meth:`feed` holds);
+    :attr:`complete` says the response ended. Call :meth:`expect` before each request.
     """
-    while True:
-        end = data.find(b"\r\n\r\n")
-        if end < 0:
-            if len(data) > MAX_HEAD_BYTES:
-                raise httpx.RemoteProtocolError("the response head is too large")
-            return None
-        lines = data[:end].decode("latin-1").split("\r\n")
-        data = data[end + 4 :]
-        version, _, rest = lines[0].partition(" ")
-        code = rest[:3]
-        if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
-            raise httpx.RemoteProtocolError(f"malformed status line {lines[0][:80]!r}")
-        status = int(code)
-        if not 100 <= status < 200:
-            break
-    head = ResponseHead(status, [], keep_alive=version == "HTTP/1.1")
-    encodings, lengths = [], []
-    for line in lines[1:]:
-        name, colon, value = line.partition(":")
-        if not colon or not name or name != name.strip():
-            raise httpx.RemoteProtocolError(f"malformed header line {line[:80]!r}")
-        name, value = name.lower(), _text(value.strip(" \t"))
-        head.headers.append((name, value))
-        if name == "transfer-encoding":
-            encodings += [t.strip().lower() for t in value.split(",")]
-        elif name == "content-length":
-            lengths.append(value)
-        elif name == "connection" and "close" in value.lower():
-            head.keep_alive = False
-        elif name == "content-encoding":
-            head.content_encoding = value
-    if status in (204, 304):
-        head.framing = NO_BODY
-    elif encodings:
-        if encodings[-1] != "chunked":
-            raise httpx.RemoteProtocolError("unsupported transfer-encoding")
-        head.framing = CHUNKED
-    elif lengths:
-        if len(set(lengths)) != 1 or not lengths[0].isdigit():
-            raise httpx.RemoteProtocolError("invalid content-length")
-        head.length = int(lengths[0])
-        head.framing = LENGTH if head.length else NO_BODY
-    else:
-        head.framing, head.keep_alive = UNTIL_CLOSE, False
-    return head, data
+
+    __slots__ = ("_headers", "_interim", "_on_head", "_parser", "_raw", "complete", "head",
+                 "on_body")  # fmt: skip
+
+    def __init__(self, on_head: Callable[[ResponseHead], None], on_body: BodySink) -> None:
+        self._on_head = on_head
+        self.on_body = on_body  # looked up once, by the parser below
+        self._parser = httptools.HttpResponseParser(self)
+        self.expect()
+
+    def expect(self) -> None:
+        """Expect a new response (after a request was written)."""
+        self.head: ResponseHead | None = None
+        self.complete = False
+        self._headers: list[tuple[str, str]] = []
+        self._interim = False
+        self._raw = 0  # bytes fed since expect(), counted until the head ended
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``; ``RemoteProtocolError`` for anything malformed or too large.
+
+        What the callbacks raise (the body's consumer refusing it) propagates as is.
+        """
+        if self.head is None:
+            room = MAX_HEAD_BYTES - self._raw
+            if len(data) > room:
+                # The head must end within the bytes left to the limit, wherever the
+                # reads split the response; what follows it is parsed after the check.
+                self._raw = MAX_HEAD_BYTES
+                if room:
+                    self._parse(data[:room])
+                if self.head is None:
+                    raise httpx.RemoteProtocolError("the response head is too large")
+                data = data[room:]
+            else:
+                self._raw += len(data)
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            raise (exc.__context__ or httpx.RemoteProtocolError(str(exc))) from None
+        except httptools.HttpParserUpgrade:
+            raise httpx.RemoteProtocolError("the backend switched protocols") from None
+        except httptools.HttpParserError as exc:
+            raise httpx.RemoteProtocolError(f"malformed response: {exc}") from None
+
+    @property
+    def until_close(self) -> bool:
+        """Whether the body being read ends with the connection (then its close is no error)."""
+        return self.head is not None and self.head.framing == UNTIL_CLOSE and not self.complete
+
+    # -- llhttp's callbacks ----------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise httpx.RemoteProtocolError("data after the end of the response")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1").lower(), _text(value.strip(b" \t"))))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if not parser.get_http_version().startswith("1.") or status < 100:
+            raise httpx.RemoteProtocolError("malformed status line")
+        if status < 200:
+            if status == 101:
+                raise httpx.RemoteProtocolError("the backend switched protocols")
+            self._headers, self._interim = [], True  # skipped; the final response follows
+            return
+        head = ResponseHead(status, self._headers, keep_alive=parser.should_keep_alive())
+        codings: list[str] = []
+        length = ""
+        for name, value in head.headers:
+            if name == "transfer-encoding":
+                codings += [c.strip().lower() for c in value.split(",") if c.strip()]
+            elif name == "content-length":
+                length = value  # llhttp let one through, of digits
+            elif name == "content-encoding":
+                head.content_encoding = value
+        if status in (204, 304):
+            head.framing = NO_BODY
+        elif codings:
+            if codings != ["chunked"]:
+                raise httpx.RemoteProtocolError("unsupported transfer-encoding")
+            head.framing = CHUNKED
+        elif length:
+            head.length = int(length)
+            head.framing = LENGTH if head.length else NO_BODY
+        else:
+            head.framing, head.keep_alive = UNTIL_CLOSE, False
+        self.head = head
+        self._on_head(head)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+        else:
+            self.complete = True
 
 
-class ChunkedBody:
-    """Decodes a chunked body fed in arbitrary pieces (RFC 9112 §7.1)."""
-
-    __slots__ = ("_buf", "_remaining", "_state", "done")
-
-    def __init__(self) -> None:
-        self._state = _SIZE
-        self._remaining = 0
-        self._buf = b""
-        self.done = False
-
-    def feed(self, data: bytes) -> bytes:
-        """The body bytes in ``data`` (joined); sets :attr:`done` at the last chunk."""
-        if self._buf:
-            data, self._buf = self._buf + data, b""
-        pieces: list[bytes] = []
-        state, at, size = self._state, 0, len(data)
-        while at < size:
-            if state == _SIZE:
-                end = data.find(b"\r\n", at)
-                if end < 0:
-                    break
-                line = data[at:end].split(b";", 1)[0].strip()
-                try:
-                    self._remaining = int(line, 16)
-                except ValueError:
-                    raise httpx.RemoteProtocolError("malformed chunk size") from None
-                at = end + 2
-                state = _DATA if self._remaining else _TRAILER
-            elif state == _DATA:
-                take = min(self._remaining, size - at)
-                pieces.append(data[at : at + take])
-                at += take
-                self._remaining -= take
-                if not self._remaining:
-                    state = _DATA_END
-            elif state == _DATA_END:
-                if size - at < 2:
-                    break
-                if data[at : at + 2] != b"\r\n":
-                    raise httpx.RemoteProtocolError("malformed chunk end")
-                at += 2
-                state = _SIZE
-            else:  # trailer lines, up to an empty one
-                end = data.find(b"\r\n", at)
-                if end < 0:
-                    break
-                last = end == at
-                at = end + 2
-                if last:
-                    if at < size:
-                        raise httpx.RemoteProtocolError("data after the end of the response")
-                    self.done = True
-                    break
-        self._state = state
-        if at < size and not self.done:
-            if size - at > MAX_HEAD_BYTES:
-                raise httpx.RemoteProtocolError("malformed chunked body")
-            self._buf = data[at:]
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
-
-
-def _text(value: str) -> str:
-    """A header value decoded as UTF-8 when it is that, else as latin-1 (as read)."""
-    if value.isascii():
-        return value
+def _text(value: bytes) -> str:
+    """A header value decoded as UTF-8 when it is that, else as latin-1."""
     try:
-        return value.encode("latin-1").decode("utf-8")
+        return value.decode("utf-8") if not value.isascii() else value.decode("ascii")
     except UnicodeDecodeError:
-        return value
+        return value.decode("latin-1")

@@ -712,7 +712,7 @@ def test_the_worker_requirements_pin_what_the_bundled_modules_import():
     # Every bundled file's imports count, not only worker.py's (httpx and httpcore are
     # imported in relay/).
     names = [pin.split("==")[0] for pin in bundle.worker_requirements()]
-    assert names == ["websockets", "httpx", "msgspec", "httpcore"]
+    assert names == ["websockets", "httpx", "msgspec", "httptools", "httpcore"]
 
 
 def test_a_worker_that_imports_the_server_side_is_not_bundled(tmp_path, monkeypatch):

@@ -1,15 +1,22 @@
-"""The cluster link's HTTP/1.1 client against a raw socket server on 127.0.0.1."""
+"""The cluster link's HTTP/1.1 client against raw socket servers on 127.0.0.1.
+
+Hostile answers (malformed framing, truncation, an oversized head) are a PeerError for
+that request only, and the next request is served on a new connection.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from relay.server.cluster.peerhttp import PeerClient, PeerError, PeerRefused
+from relay.server.cluster.peerhttp import MAX_HEAD, PeerClient, PeerError, PeerRefused
 
 Reply = Callable[[bytes], bytes | None]
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 async def _server(reply: Reply) -> AsyncIterator[tuple[str, list[int]]]:
@@ -145,5 +152,223 @@ async def test_a_garbled_status_line_is_an_error():
         with pytest.raises(PeerError) as caught:
             await client.post(address, "/", {}, b"")
         out_err = caught.value
-    assert "bad status line" in str(out_err)
+    assert "bad response" in str(out_err)
+    await client.aclose()
+
+
+async def test_interim_responses_are_skipped_and_a_body_may_end_with_the_connection():
+    answers = [
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: x\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end",
+    ]
+    out, seen = await _run(lambda req: answers.pop(0), calls=2)
+    assert out == [(200, b"ok"), (200, b"until the end")]
+    assert seen == [2]
+
+
+# --------------------------------------------------------------------------- hostile answers
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+def _length_head(value: str) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: " + value.encode() + b"\r\n\r\n"
+
+
+#: Answers no exchange may survive; the server closes after writing each one.
+MALFORMED = {
+    "negative chunk size": CHUNKED_HEAD + b"1\r\nA\r\n-6\r\nXXXX",
+    "chunk size with a plus sign": CHUNKED_HEAD + b"+1\r\nA\r\n0\r\n\r\n",
+    "chunk size with 0x": CHUNKED_HEAD + b"0x1\r\nA\r\n0\r\n\r\n",
+    "chunk size with an underscore": CHUNKED_HEAD + b"1_0\r\n" + b"A" * 16 + b"\r\n0\r\n\r\n",
+    "chunk size past 64 bits": CHUNKED_HEAD + b"1" + b"0" * 16 + b"\r\n",
+    "chunk data longer than its size": CHUNKED_HEAD + b"1\r\nAB\r\n0\r\n\r\n",
+    "superscript two as content-length": _length_head("\u00b2") + b"ok",
+    "arabic-indic digit as content-length": _length_head("\u0662") + b"ok",
+    "content-length with a sign": _length_head("+2") + b"ok",
+    "content-length then transfer-encoding": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    "transfer-encoding then content-length": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+    b"Content-Length: 3\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+    "a transfer-coding other than chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n"
+    b"\r\nabc",
+    "truncated mid-chunk": CHUNKED_HEAD + b"a\r\nabc",
+    "truncated between chunks": CHUNKED_HEAD + b"3\r\nabc\r\n",
+    "truncated mid-head": b"HTTP/1.1 200 OK\r\nContent-Len",
+    "truncated mid-body": _length_head("10") + b"abc",
+    "garbage status line": b"SPDY/9 what\r\n\r\n",
+    "status code not digits": b"HTTP/1.1 2x0 OK\r\n\r\n",
+    "an HTTP/2 status line": b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n",
+    "a header line without a colon": b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+    "switching protocols": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
+    "bytes after the end of the answer": OK + b"EXTRA",
+    "a second answer after the first": OK + OK,
+}
+
+
+class RawServer:
+    """A server on 127.0.0.1:0 running ``handler`` per connection; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.address = ""
+
+    async def __aenter__(self) -> RawServer:
+        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            try:
+                await self.handler(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        self._server = await asyncio.start_server(accept, "127.0.0.1", 0)
+        self.address = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+
+
+async def _request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+
+
+async def _exchange(client: PeerClient, address: str) -> tuple[int, bytes]:
+    response = await client.post(address, "/v1/x", {}, b"{}")
+    try:
+        return response.status, await response.read()
+    finally:
+        response.release()
+
+
+@pytest.mark.parametrize("answer", MALFORMED.values(), ids=MALFORMED.keys())
+async def test_a_malformed_answer_is_a_peer_error_and_the_next_request_is_served(answer: bytes):
+    first = True
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal first
+        if first:
+            first = False
+            await _request(reader)
+            writer.write(answer)
+            return  # then closed
+        while True:
+            await _request(reader)
+            writer.write(OK)
+
+    client = PeerClient()
+    async with RawServer(handler) as server:
+        async with asyncio.timeout(5):
+            with pytest.raises(PeerError):
+                await _exchange(client, server.address)
+            assert not client._pool.get(server.address)
+            assert await _exchange(client, server.address) == (200, b"ok")
+        assert server.connections == 2
+    await client.aclose()
+
+
+async def test_an_answer_framed_both_ways_is_refused_and_its_connection_not_reused():
+    both = CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\nContent-Length: 5\r\n\r\n") + (
+        b"5\r\nhello\r\n0\r\n\r\n"
+    )
+    first = True
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal first
+        if first:
+            first = False
+            await _request(reader)
+            writer.write(both)
+        while True:  # the connection stays open: whatever comes next is answered
+            await _request(reader)
+            writer.write(OK)
+
+    client = PeerClient()
+    async with RawServer(handler) as server:
+        with pytest.raises(PeerError, match="Content-Length"):
+            await _exchange(client, server.address)
+        assert await _exchange(client, server.address) == (200, b"ok")
+        assert server.connections == 2
+    await client.aclose()
+
+
+_SHORTEST = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Pad: \r\n\r\n"
+
+
+@pytest.mark.parametrize("split", [None, 1000, MAX_HEAD - 1, MAX_HEAD])
+async def test_a_head_of_the_limit_is_read_and_one_byte_more_is_refused(split: int | None):
+    def padded(size: int) -> bytes:
+        return _SHORTEST.replace(b"X-Pad: ", b"X-Pad: " + b"p" * (size - len(_SHORTEST))) + b"ok"
+
+    answers = [padded(MAX_HEAD), padded(MAX_HEAD + 1)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await _request(reader)
+            answer = answers.pop(0)
+            if split is not None:
+                writer.write(answer[:split])
+                await writer.drain()
+                await asyncio.sleep(0.01)
+                answer = answer[split:]
+            writer.write(answer)
+
+    client = PeerClient()
+    async with RawServer(handler) as server:
+        assert await _exchange(client, server.address) == (200, b"ok")
+        with pytest.raises(PeerError, match="head too large"):
+            await _exchange(client, server.address)
+    await client.aclose()
+
+
+# --------------------------------------------------------------------------- stale connections
+
+
+def _closing_each_reused_connection(how: str) -> Handler:
+    """Answers the first request of each connection, then closes when the next arrives
+    (``fin``: after reading it; ``rst``: with it unread, which sends a reset)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(OK)
+        await writer.drain()
+        if how == "fin":
+            await _request(reader)
+        else:
+            await reader.read(1)
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    return handler
+
+
+@pytest.mark.parametrize("how", ["fin", "rst"])
+async def test_a_request_that_meets_the_other_sides_close_is_sent_again(how: str):
+    client = PeerClient()
+    async with RawServer(_closing_each_reused_connection(how)) as server:
+        for _ in range(5):
+            assert await _exchange(client, server.address) == (200, b"ok")
+        assert server.connections == 5  # each reused connection closed, each request served
+    await client.aclose()
+
+
+async def test_an_answer_broken_off_on_a_reused_connection_is_not_sent_again():
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _request(reader)
+        writer.write(OK)
+        await _request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Le")  # then closed
+
+    client = PeerClient()
+    async with RawServer(handler) as server:
+        assert await _exchange(client, server.address) == (200, b"ok")
+        with pytest.raises(PeerError):
+            await _exchange(client, server.address)
+        assert server.connections == 1
     await client.aclose()

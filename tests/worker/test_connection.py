@@ -1,6 +1,7 @@
 """The worker's backend connections and frame encoding, against scripted raw servers.
 
-Each test runs on asyncio's event loop and on uvloop's (the worker's when installed).
+Each test runs on asyncio's event loop and on uvloop's (the worker's when installed);
+malformed and stale responses are in test_http1.py.
 """
 
 from __future__ import annotations
@@ -9,107 +10,21 @@ import asyncio
 import gzip
 import os
 import zlib
-from collections.abc import Awaitable, Callable, Coroutine
 from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
-import uvloop
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.streams import StreamReader
 
 from relay.wire.protocol import ResponseChunk, encode
-from relay.worker.connection import BackendConnection, BodyTooLarge, ConnectionPool
-from relay.worker.http1 import LENGTH, NO_BODY, Origin, ResponseHead, request_head
+from relay.worker.connection import BodyTooLarge
+from relay.worker.http1 import LENGTH, NO_BODY, Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix, masked_text_frames
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, Any]], Any]:
-    return asyncio.run if request.param == "asyncio" else uvloop.run
-
-
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    return head + await reader.readexactly(length)
-
-
-class Backend:
-    """A raw server on 127.0.0.1:0; records the connections it accepted."""
-
-    def __init__(self, handler: Handler) -> None:
-        self.handler = handler
-        self.connections = 0
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> ConnectionPool:
-        async def accept(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            self.connections += 1
-            try:
-                await self.handler(reader, writer)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                writer.close()
-
-        self.server = await asyncio.start_server(accept, "127.0.0.1", 0)
-        port = self.server.sockets[0].getsockname()[1]
-        self.pool = ConnectionPool(Origin.parse(f"http://127.0.0.1:{port}"), connect_timeout=5)
-        return self.pool
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.pool.close()
-        assert self.server is not None
-        self.server.close()
-
-
-def answering(*responses: bytes, then_close: bool = False) -> Handler:
-    """Answer each request on a connection with the next of ``responses``."""
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for response in responses:
-            await read_request(reader)
-            writer.write(response)
-            await writer.drain()
-        if not then_close:
-            await reader.read()  # until the client leaves
-
-    return handler
-
-
-async def post(
-    pool: ConnectionPool, *, read_timeout: float | None = 5.0
-) -> tuple[BackendConnection, ResponseHead]:
-    conn = await pool.acquire()
-    head = request_head(pool.origin, "/v1/chat/completions", {"x-test": "1"}, 2)
-    return conn, await conn.start(head, b"{}", write_timeout=5, read_timeout=read_timeout)
-
-
-async def collect(pool: ConnectionPool, limit: int = 1 << 20) -> tuple[ResponseHead, bytes]:
-    conn, head = await post(pool)
-    conn.collect(limit)
-    await conn.finished()
-    body = conn.body()
-    pool.release(conn)
-    return head, body
-
-
-OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\nok"
-
-
-def chunked(*pieces: bytes) -> bytes:
-    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
-    return b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
-
+from tests.worker.rawbackend import OK, Backend, answering, chunked, collect, post, read_request
 
 # --------------------------------------------------------------------------- framing
 

@@ -2,10 +2,13 @@
 
 The cluster link (:mod:`relay.server.cluster.proxy`) sends each request to the process its
 worker is connected to, and that process's own fast path answers: a ``Content-Length``
-body, a chunked stream, or a body up to the end of the connection. That is all this
-client speaks. Connections are kept alive and reused, newest first, per address; one
-that ended its response cleanly goes back to the pool, any other is closed. Closing a
-connection mid-response is how the other process learns the client left.
+body, a chunked stream, or a body up to the end of the connection. Responses are
+parsed by llhttp (``httptools``, the parser of Node.js and uvicorn): a malformed status
+line, header, chunk size or ``Content-Length``, a response framed both ways, or bytes
+after its end are a :class:`PeerError`, never a guess. Connections are kept alive and
+reused, newest first, per address; one that ended its response cleanly goes back to
+the pool, any other is closed. Closing a connection mid-response is how the other
+process learns the client left.
 
 A general-purpose client (httpx) checked every pooled connection's socket on every
 request: with a few dozen connections between two busy processes that took most of
@@ -16,16 +19,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-#: The longest response head accepted (status line and headers).
+import httptools
+
+#: A response whose head (interim responses included) has not ended within this many
+#: bytes is refused.
 MAX_HEAD = 64 * 1024
 #: Idle connections kept per address.
 MAX_IDLE = 256
 #: Time allowed to connect, and to write a request.
 CONNECT_SECS = 5.0
 WRITE_SECS = 30.0
+#: The most one read takes from a socket.
+READ_BYTES = 65536
 
 
 class PeerError(Exception):
@@ -36,28 +43,121 @@ class PeerRefused(PeerError):
     """The connection was refused: nothing listens at the address (the process is gone)."""
 
 
-@dataclass
 class _Conn:
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
+    __slots__ = ("parsed", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.parsed = _Response()
 
     def close(self) -> None:
         self.writer.transport.abort()
 
 
-@dataclass
+class _Response:
+    """llhttp's callbacks for the responses of one connection; what it parsed so far.
+
+    One per connection, reset by :meth:`expect` for each request: the parser and this
+    object refer to each other, and a pair per request would be garbage for the
+    cycle collector.
+    """
+
+    __slots__ = ("_interim", "_parser", "body", "complete", "headers", "keep_alive", "received",
+                 "status", "until_close")  # fmt: skip
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.expect()
+
+    def expect(self) -> None:
+        """Expect a new response (before a request is written)."""
+        self.status = 0  # set once the final response's head is complete
+        self.headers: list[tuple[str, str]] = []
+        self.keep_alive = False
+        self.until_close = False
+        self.complete = False
+        self.body: list[bytes] = []
+        self.received = 0  # bytes fed, counted until the head ended
+        self._interim = False
+
+    def feed(self, data: bytes) -> None:
+        if not self.status:
+            room = MAX_HEAD - self.received
+            if len(data) > room:
+                # The head must end within the bytes left to the limit, wherever the
+                # reads split the response; what follows it is parsed after the check.
+                self.received = MAX_HEAD
+                if room:
+                    self._parse(data[:room])
+                if not self.status:
+                    raise PeerError("response head too large")
+                data = data[room:]
+            else:
+                self.received += len(data)
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            raise (exc.__context__ or PeerError(f"bad response: {exc}")) from None
+        except httptools.HttpParserUpgrade:
+            raise PeerError("bad response: switching protocols") from None
+        except httptools.HttpParserError as exc:
+            raise PeerError(f"bad response: {exc}") from None
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise PeerError("bad response: data after its end")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.strip(b" \t").decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if not parser.get_http_version().startswith("1.") or not 100 <= status < 1000:
+            raise PeerError(f"bad status line: HTTP/{parser.get_http_version()} {status}")
+        if status < 200:
+            if status == 101:
+                raise PeerError("bad response: switching protocols")
+            self.headers, self._interim = [], True  # skipped; the final response follows
+            return
+        codings: list[str] = []
+        length = False
+        for name, value in self.headers:
+            key = name.lower()
+            if key == "transfer-encoding":
+                codings += [c.strip().lower() for c in value.split(",") if c.strip()]
+            elif key == "content-length":
+                length = True
+        if codings and codings != ["chunked"]:
+            raise PeerError("bad response: unsupported transfer-encoding")
+        self.keep_alive = parser.should_keep_alive()
+        self.until_close = not (codings or length or status in (204, 304))
+        self.status = status
+
+    def on_body(self, data: bytes) -> None:
+        self.body.append(data)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+        else:
+            self.complete = True
+
+
 class PeerResponse:
-    status: int
-    headers: list[tuple[str, str]]
-    _conn: _Conn
-    _client: PeerClient
-    _address: str
-    _length: int | None = None
-    _chunked: bool = False
-    _reusable: bool = True
-    _done: bool = False
-    _left: int = 0
-    _header_map: dict[str, str] = field(default_factory=dict)
+    def __init__(self, parsed: _Response, conn: _Conn, client: PeerClient, address: str) -> None:
+        self.status = parsed.status
+        self.headers = parsed.headers
+        self._parsed = parsed
+        self._conn = conn
+        self._client = client
+        self._address = address
+        self._done = False
+        self._header_map = {k.lower(): v for k, v in parsed.headers}
 
     def header(self, name: str) -> str:
         """A header's value ("" when absent)."""
@@ -67,30 +167,21 @@ class PeerResponse:
         return name.lower() in self._header_map
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (chunked framing removed)."""
-        reader = self._conn.reader
+        """The body as it arrives (chunked framing removed): what each read brought."""
+        parsed, reader = self._parsed, self._conn.reader
         try:
-            if self._chunked:
-                while True:
-                    line = await reader.readuntil(b"\r\n")
-                    size = int(line.split(b";", 1)[0].strip() or b"x", 16)
-                    if size == 0:
-                        while (await reader.readuntil(b"\r\n")) != b"\r\n":
-                            pass  # trailers
+            while True:
+                if parsed.body:
+                    pieces, parsed.body = parsed.body, []
+                    yield pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                if parsed.complete:
+                    break
+                data = await reader.read(READ_BYTES)
+                if not data:
+                    if parsed.until_close:
                         break
-                    async for data in _exactly(reader, size, "a chunk"):
-                        yield data
-                    if await reader.readexactly(2) != b"\r\n":
-                        raise PeerError("bad chunk framing")
-            elif self._length is not None:
-                async for data in _exactly(reader, self._length, "the body"):
-                    yield data
-            else:
-                self._reusable = False
-                while data := await reader.read(65536):
-                    yield data
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
-            raise PeerError(f"bad response body: {exc.__class__.__name__}") from None
+                    raise PeerError("connection ended inside the body")
+                parsed.feed(data)
         except OSError as exc:
             raise PeerError(str(exc) or exc.__class__.__name__) from None
         self._done = True
@@ -101,21 +192,10 @@ class PeerResponse:
     def release(self) -> None:
         """End the exchange: a connection whose response was read to its end goes back
         to the pool; otherwise it is closed (telling the other process)."""
-        if self._done and self._reusable:
+        if self._done and self._parsed.keep_alive and not self._parsed.until_close:
             self._client._idle(self._address, self._conn)
         else:
             self._conn.close()
-
-
-async def _exactly(reader: asyncio.StreamReader, size: int, what: str) -> AsyncIterator[bytes]:
-    """``size`` bytes from ``reader`` as they arrive."""
-    left = size
-    while left:
-        data = await reader.read(min(left, 65536))
-        if not data:
-            raise PeerError(f"connection ended inside {what}")
-        left -= len(data)
-        yield data
 
 
 class PeerClient:
@@ -135,16 +215,15 @@ class PeerClient:
         while idle:
             conn = idle.pop()
             # A reused connection the other side closed meanwhile shows it here (EOF
-            # already read) or fails on the first read; the caller retries once.
+            # already read) or ends before the first byte of the answer; post() then
+            # sends once more.
             if not conn.writer.transport.is_closing() and not conn.reader.at_eof():
                 return conn, True
             conn.close()
         url = urlsplit(address)
         try:
             async with asyncio.timeout(CONNECT_SECS):
-                reader, writer = await asyncio.open_connection(
-                    url.hostname, url.port or 80, limit=MAX_HEAD
-                )
+                reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
         except ConnectionRefusedError as exc:
             raise PeerRefused(str(exc)) from None
         except (OSError, TimeoutError) as exc:
@@ -154,7 +233,11 @@ class PeerClient:
     async def post(
         self, address: str, path: str, headers: dict[str, str], body: bytes
     ) -> PeerResponse:
-        """Send a POST and read the response head; the body is read from the result."""
+        """Send a POST and read the response head; the body is read from the result.
+
+        A reused connection that ends before one byte of the answer was closed by the
+        other process while idle: the request goes once more, on a new connection.
+        """
         url = urlsplit(address)
         lines = [f"POST {path} HTTP/1.1", f"Host: {url.netloc}", f"Content-Length: {len(body)}"]
         lines += [
@@ -165,48 +248,27 @@ class PeerClient:
         request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
         for attempt in (1, 2):
             conn, reused = await self._connect(address)
+            parsed = conn.parsed
+            parsed.expect()
             try:
                 conn.writer.write(request)
                 async with asyncio.timeout(WRITE_SECS):
                     await conn.writer.drain()
-                head = await conn.reader.readuntil(b"\r\n\r\n")
-            except asyncio.CancelledError:
+                while not parsed.status:
+                    data = await conn.reader.read(READ_BYTES)
+                    if not data:
+                        raise ConnectionResetError("connection ended before the response")
+                    parsed.feed(data)
+            except (OSError, TimeoutError) as exc:
                 conn.close()
-                raise
-            except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
-                conn.close()
-                if reused and attempt == 1:
+                if reused and attempt == 1 and not parsed.received:
                     continue  # the other side had closed the idle connection: a new one
                 raise PeerError(str(exc) or exc.__class__.__name__) from None
-            except asyncio.LimitOverrunError:
+            except BaseException:  # PeerError, cancellation
                 conn.close()
-                raise PeerError("response head too large") from None
-            return self._response(address, conn, head)
+                raise
+            return PeerResponse(parsed, conn, self, address)
         raise AssertionError("unreachable")
-
-    def _response(self, address: str, conn: _Conn, head: bytes) -> PeerResponse:
-        status_line, *header_lines = head[:-4].decode("latin-1").split("\r\n")
-        parts = status_line.split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            conn.close()
-            raise PeerError(f"bad status line {status_line[:80]!r}")
-        headers = []
-        for line in header_lines:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers.append((name.strip(), value.strip()))
-        response = PeerResponse(int(parts[1]), headers, conn, self, address)
-        response._header_map = {k.lower(): v for k, v in headers}
-        encoding = response.header("transfer-encoding").lower()
-        if "chunked" in encoding:
-            response._chunked = True
-        elif (length := response.header("content-length")).isdigit():
-            response._length = int(length)
-        elif response.status in (204, 304) or 100 <= response.status < 200:
-            response._length = 0
-        if response.header("connection").lower() == "close" or parts[0] == "HTTP/1.0":
-            response._reusable = False
-        return response
 
     async def aclose(self) -> None:
         for idle in self._pool.values():
