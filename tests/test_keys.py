@@ -52,23 +52,60 @@ def test_the_cache_checks_prefix_and_hmac():
 
 
 @pytest.mark.parametrize(
-    ("headers", "message"),
+    ("path", "headers", "message"),
     [
-        ([], "Missing API key: send Authorization: Bearer <key>"),
-        ([(b"authorization", b"Bearer mrk_notakey")], "Invalid or revoked API key"),
+        ("/v1/chat/completions", [], "Missing API key: send Authorization: Bearer <key>"),
         (
+            "/v1/chat/completions",
+            [(b"authorization", b"Bearer mrk_notakey")],
+            "Invalid or revoked API key (sent in Authorization: Bearer)",
+        ),
+        (
+            "/v1/chat/completions",
             [(b"authorization", b"Basic dXNlcjpwYXNz")],
-            "Missing API key: send Authorization: Bearer <key>",
+            "Authorization must use the Bearer scheme: send Authorization: Bearer <key>",
+        ),
+        (
+            "/v1/chat/completions",
+            [(b"x-api-key", b"mrk_sent-where-it-is-not-read")],
+            "x-api-key is accepted on /v1/messages only; this route takes "
+            "Authorization: Bearer <key>",
+        ),
+        (
+            "/v1/messages",
+            [],
+            "Missing API key: send x-api-key: <key> or Authorization: Bearer <key>",
+        ),
+        (
+            "/v1/messages",
+            [(b"x-api-key", b"mrk_notakey")],
+            "Invalid or revoked API key (sent in x-api-key)",
         ),
     ],
 )
-async def test_requests_without_a_valid_key_get_401(keyed, headers, message):
-    call = await HttpCall("POST", "/v1/chat/completions", chat(), headers=headers).send()
-    status, document = await call.json()
+async def test_requests_without_a_valid_key_get_401(keyed, path, headers, message):
+    anthropic = path.startswith("/v1/messages")
+    call = await HttpCall("POST", path, chat(), headers=headers).send()
+    status, response_headers, body = await call.response()
+    document = json.loads(body)
     assert status == 401
-    assert document["error"]["message"] == message
-    status, document = await (await HttpCall("GET", "/v1/models", headers=headers).send()).json()
+    if anthropic:
+        assert document["type"] == "error"
+        assert document["error"] == {"type": "authentication_error", "message": message}
+    else:
+        assert document["error"] == {
+            "message": message,
+            "type": "invalid_request_error",
+            "code": "invalid_api_key",
+        }
+    assert response_headers["www-authenticate"] == "Bearer"
+    # The same shape on GET /v1/models, in the same envelope.
+    models_headers = headers + ([(b"anthropic-version", b"2023-06-01")] if anthropic else [])
+    call = await HttpCall("GET", "/v1/models", headers=models_headers).send()
+    status, models_response_headers, body = await call.response()
     assert status == 401
+    assert json.loads(body) == document
+    assert models_response_headers == response_headers
     status, _ = await (await HttpCall("GET", "/health").send()).json()
     assert status == 200  # never on /health
 
@@ -108,7 +145,7 @@ async def test_a_revoked_key_is_refused_at_once(keyed):
     await runtime.current().sync()  # what the signal-triggered reload does
     status, document = await (await HttpCall("GET", "/v1/models", headers=headers).send()).json()
     assert status == 401
-    assert document["error"]["message"] == "Invalid or revoked API key"
+    assert document["error"]["message"].startswith("Invalid or revoked API key")
 
 
 async def test_keys_created_elsewhere_are_seen_by_the_next_sync(keyed):

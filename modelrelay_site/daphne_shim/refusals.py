@@ -3,10 +3,11 @@
 Requests whose headers pass the limits (too many, too long a line, too large in all)
 get a 431 in the API's JSON envelope, where Twisted would answer a bare 400 or drop
 the connection without a word. And a request that will be refused anyway (wrong
-method, no valid API key, not JSON, a declared length over MAX_REQUEST_BYTES) is
-answered as soon as its headers are in: Twisted would otherwise read (and spool to
-disk) the whole body before the application sees the request. A chunked body is cut
-off at MAX_REQUEST_BYTES the same way.
+method, no valid API key, not JSON, a declared length over MAX_REQUEST_BYTES, a path
+nothing serves; see :mod:`relay.server.http.early`) is answered as soon as its
+headers are in: Twisted would otherwise read (and spool to disk) the whole body
+before the application sees the request. A chunked body is cut off at the limit the
+application names the same way.
 """
 
 from __future__ import annotations
@@ -17,15 +18,26 @@ from typing import Any
 from modelrelay_site.daphne_shim.probe import Patch
 
 
-def _refusal(err: Any, flavor: Any) -> bytes:
-    """A complete HTTP/1.1 response for a request refused before the application."""
-    from relay.wire.errors import error_response
+def _refusal(response: tuple[int, list[tuple[bytes, bytes]], bytes]) -> bytes:
+    """A complete HTTP/1.1 response for a request refused before the application:
+    its headers named as Twisted names those of every other response, and the
+    connection closed (the body it announced is never read)."""
+    from twisted.web.http_headers import Headers
 
-    status, headers, body = error_response(err, flavor)
+    status, headers, body = response
+    named = Headers()
+    for name, value in [
+        *headers,
+        (b"x-content-type-options", b"nosniff"),
+        (b"connection", b"close"),
+    ]:
+        named.addRawHeader(name, value)
     return (
         f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n".encode()
-        + b"".join(k + b": " + v + b"\r\n" for k, v in headers)
-        + b"x-content-type-options: nosniff\r\nconnection: close\r\n\r\n"
+        + b"".join(
+            k + b": " + v + b"\r\n" for k, values in named.getAllRawHeaders() for v in values
+        )
+        + b"\r\n"
         + body
     )
 
@@ -33,10 +45,15 @@ def _refusal(err: Any, flavor: Any) -> bytes:
 _REASONS = {
     400: "Bad Request",
     401: "Unauthorized",
+    403: "Forbidden",
+    404: "Not Found",
     405: "Method Not Allowed",
     413: "Content Too Large",
     415: "Unsupported Media Type",
+    426: "Upgrade Required",
+    429: "Too Many Requests",
     431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
 }
 
 
@@ -50,10 +67,10 @@ def apply() -> None:
     from twisted.web import http
 
     from relay.server.http.request import MAX_HEADER_BYTES, MAX_HEADER_COUNT
-    from relay.wire.errors import HeadersTooLarge
+    from relay.wire.errors import HeadersTooLarge, error_response
 
     HTTPChannel: Any = http.HTTPChannel
-    too_large = _refusal(HeadersTooLarge(), "openai")
+    too_large = _refusal(error_response(HeadersTooLarge(), "openai"))
     original_line = HTTPChannel.lineReceived
     original_header = HTTPChannel.headerReceived
     original_headers_done = HTTPChannel.allHeadersReceived
@@ -74,7 +91,7 @@ def apply() -> None:
 
     def all_headers_received(self: Any) -> None:
         self._relay_refused = False
-        response = _refused_before_body(self)
+        response = early_refusal(self, batches=False)
         if response is not None:
             _refuse(self, response)
             return
@@ -101,51 +118,46 @@ def apply() -> None:
 
 @functools.cache
 def _checks() -> tuple[Any, ...]:
-    """The application's request checks, imported once (Django is set up by then)."""
-    from relay.server import runtime
-    from relay.server.http.request import before_body, host_allowed, route_table
-    from relay.wire.errors import BadRequest, RelayError
+    """The application's checks, imported once (Django is set up by then)."""
+    from relay.server.batches import api as batches
+    from relay.server.http.app import refused_before_body
 
-    return runtime, before_body, host_allowed, route_table, BadRequest, RelayError
+    return refused_before_body, batches.serves
 
 
-def _refused_before_body(channel: Any) -> bytes | None:
-    """The response for an inference request that is refused on its headers alone.
+def early_refusal(channel: Any, *, batches: bool) -> bytes | None:
+    """The response for a request refused on its headers alone, or None (then the
+    body limit the application named is set on the request).
 
-    Only requests with a body to avoid (a declared length, or chunked); the same
-    checks run again in the application, which answers everything else.
+    Only requests with a body to avoid: a declared length over the application's
+    :data:`~relay.server.http.early.EARLY_BODY_BYTES`, or a chunked one. A smaller
+    body is read and the application answers (the same checks run there), keeping
+    the connection. ``batches``: the batch routes (:mod:`.uploads`), else the others.
     """
-    runtime, before_body, host_allowed, route_table, BadRequest, RelayError = _checks()
+    refused_before_body, batch_path = _checks()
+    length = channel.length
+    if length == 0:
+        return None
     path = channel._path.split(b"?", 1)[0].decode("latin-1")
-    flavor = route_table().get(path)
-    if flavor is None or channel.length == 0 or channel._command == b"OPTIONS":
+    if batch_path(path) != batches:
         return None
     request = channel.requests[-1]
-    if request.requestHeaders.hasHeader(b"x-modelrelay-cluster"):
-        return None  # placed here by another process: the application checks its token
     headers = [
         (name.lower(), value)
         for name, values in request.requestHeaders.getAllRawHeaders()
         for value in values
     ]
-    rt = runtime.current()
-    method = channel._command.decode("latin-1")
-    try:
-        if not host_allowed({"headers": headers, "server": None}):
-            raise BadRequest("Invalid Host header")
-        before_body(rt, method, path, flavor, headers, check_key=rt.keys.loaded)
-    except RelayError as err:
-        rt.relay.record_rejection(err, "", path, False, None)
-        return _refusal(err, flavor)
-    request._relay_limit = rt.config.max_request_bytes
-    request._relay_flavor = flavor
+    verdict = refused_before_body(channel._command.decode("latin-1"), path, headers)
+    if verdict.refusal is not None:
+        return _refusal(verdict.refusal)
+    if verdict.limit is not None:
+        request._relay_limit = verdict.limit
+        request._relay_too_large = verdict.too_large
     return None
 
 
 def _install_body_limit() -> None:
     from daphne.http_protocol import WebRequest
-
-    from relay.wire.errors import PayloadTooLarge
 
     original = WebRequest.handleContentChunk
 
@@ -154,8 +166,7 @@ def _install_body_limit() -> None:
         if limit is not None:
             self._relay_received = getattr(self, "_relay_received", 0) + len(data)
             if self._relay_received > limit:
-                err = PayloadTooLarge(f"Request body is larger than {limit} bytes")
-                _refuse(self.channel, _refusal(err, self._relay_flavor))
+                _refuse(self.channel, _refusal(self._relay_too_large()))
                 return
         original(self, data)
 

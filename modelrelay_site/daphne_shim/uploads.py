@@ -1,53 +1,35 @@
-"""File uploads refused before their body: a declared length over the limit, or no
-valid API key, answered as soon as the headers are in.
+"""The batch routes refused before their body: a file upload over its size limit, or
+any body without a valid key, answered as soon as the headers are in.
 
 Twisted reads (and spools to disk) a whole request body before daphne hands the
 request to the application; for ``POST /v1/files`` that could be a hundred
 megabytes refused anyway. The checks are the application's own
 (:func:`relay.server.http.app.refused_before_body`); it makes them again for every
 request that gets through, as it does under uvicorn, which hands requests over
-before their body.
+before their body. A chunked body is cut off at the upload limit.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from modelrelay_site.daphne_shim.probe import Patch
 
 
-@functools.cache
-def _check() -> Any:
-    """The application's check, imported once (Django is set up by then)."""
-    from relay.server.http.app import refused_before_body
-
-    return refused_before_body
-
-
 def apply() -> None:
     from twisted.web import http
 
-    from modelrelay_site.daphne_shim.refusals import _refusal, _refuse
+    from modelrelay_site.daphne_shim.refusals import _refuse, early_refusal
 
     HTTPChannel: Any = http.HTTPChannel
     original = HTTPChannel.allHeadersReceived
 
     def all_headers_received(self: Any) -> None:
-        if self.length != 0 and self._command == b"POST":
-            path = self._path.split(b"?", 1)[0].decode("latin-1")
-            request = self.requests[-1]
-            headers = [
-                (name.lower(), value)
-                for name, values in request.requestHeaders.getAllRawHeaders()
-                for value in values
-            ]
-            refused = _check()("POST", path, headers)
-            if refused is not None:
-                err, flavor = refused
-                self._relay_refused = True
-                _refuse(self, _refusal(err, flavor))
-                return
+        response = early_refusal(self, batches=True)
+        if response is not None:
+            self._relay_refused = True
+            _refuse(self, response)
+            return
         original(self)
 
     HTTPChannel.allHeadersReceived = all_headers_received
@@ -64,7 +46,7 @@ PATCH = Patch(
         "twisted.web.http:HTTPChannel._command",
         "twisted.web.http:HTTPChannel.loseConnection",
         "modelrelay_site.daphne_shim.refusals:_refuse",
-        "modelrelay_site.daphne_shim.refusals:_refusal",
+        "modelrelay_site.daphne_shim.refusals:early_refusal",
     ),
     apply,
 )

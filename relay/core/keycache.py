@@ -79,6 +79,7 @@ class KeyCache:
         """
         bearer: str | None = None
         api_key: str | None = None
+        other_scheme = ignored_api_key = False
         carriers: set[str] = set()
         for name, value in headers:
             token = ""
@@ -86,10 +87,15 @@ class KeyCache:
                 scheme, _, rest = value.decode("latin-1").partition(" ")
                 if scheme.lower() == "bearer":
                     token = bearer = rest.strip()
+                else:
+                    token = value.decode("latin-1").strip()
+                    other_scheme = True
             elif name == b"x-api-key":
                 token = value.decode("latin-1").strip()
                 if flavor == "anthropic":
                     api_key = token
+                else:
+                    ignored_api_key = bool(token)
             else:
                 continue
             if token.startswith(KEY_KIND) or (token and self.verify(token) is not None):
@@ -99,9 +105,7 @@ class KeyCache:
                 key_id = self.verify(given)
                 if key_id is not None:
                     return key_id, frozenset(carriers)
-        if bearer or api_key:
-            raise Unauthorized("Invalid or revoked API key")
-        raise Unauthorized("Missing API key: send Authorization: Bearer <key>")
+        raise Unauthorized(_unauthorized(flavor, bearer, api_key, other_scheme, ignored_api_key))
 
     def observe(self, record: RequestRecord) -> None:
         """Request observer: count usage per key for the background flush (in cluster
@@ -128,3 +132,30 @@ class KeyCache:
             current.prompt_tokens += old.prompt_tokens
             current.completion_tokens += old.completion_tokens
             current.last_used = max(current.last_used, old.last_used)
+
+
+def _unauthorized(
+    flavor: Flavor,
+    bearer: str | None,
+    api_key: str | None,
+    other_scheme: bool,
+    ignored_api_key: bool,
+) -> str:
+    """What the 401 says: what was sent, and what the route accepts."""
+    accepted = (
+        "x-api-key: <key> or Authorization: Bearer <key>"
+        if flavor == "anthropic"
+        else "Authorization: Bearer <key>"
+    )
+    if bearer or api_key:
+        sent = " and ".join(
+            name
+            for name, given in (("Authorization: Bearer", bearer), ("x-api-key", api_key))
+            if given
+        )
+        return f"Invalid or revoked API key (sent in {sent})"
+    if ignored_api_key:
+        return f"x-api-key is accepted on /v1/messages only; this route takes {accepted}"
+    if other_scheme:
+        return f"Authorization must use the Bearer scheme: send {accepted}"
+    return f"Missing API key: send {accepted}"

@@ -89,6 +89,11 @@ class Unauthorized(ClientError):
     default_message = "Invalid or missing API key"
     outcome = "unauthorized"
 
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message)
+        # RFC 9110 §11.6.1: a 401 names the scheme it takes (every envelope, every method).
+        self.headers.append((b"www-authenticate", b"Bearer"))
+
 
 class KeyExpired(Unauthorized):
     code = "expired_api_key"

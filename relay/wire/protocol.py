@@ -64,7 +64,15 @@ MAX_COUNT = 1_000_000
 MAX_TOKENS = 10**12
 MAX_TIMESTAMP_MS = 10**15
 
+#: The widest integers the reference's pong carries (``current_load: u32``,
+#: ``timestamp_unix_ms: u64``): accepted, then clamped to the bounds above.
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
+#: msgspec bounds only what fits an int64: the upper end is checked in ``__post_init__``.
+U64 = Annotated[int, msgspec.Meta(ge=0)]
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 Timestamp = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMESTAMP_MS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -169,8 +177,20 @@ class ResponseComplete(msgspec.Struct, tag="response_complete", tag_field="type"
 
 
 class Pong(msgspec.Struct, tag="pong", tag_field="type"):
-    current_load: NonNegative = 0
-    timestamp_unix_ms: Timestamp | None = None
+    """Any value the reference's types hold is accepted (a timestamp in microseconds,
+    a load of 2**31) and clamped to :data:`MAX_COUNT` / :data:`MAX_TIMESTAMP_MS`;
+    what they cannot hold (negative, wider, not an integer) is a protocol error."""
+
+    current_load: U32 = 0
+    timestamp_unix_ms: U64 | None = None
+
+    def __post_init__(self) -> None:
+        if self.timestamp_unix_ms is not None and self.timestamp_unix_ms > U64_MAX:
+            raise ValueError("`timestamp_unix_ms` does not fit in 64 bits")
+        if self.current_load > MAX_COUNT:
+            self.current_load = MAX_COUNT
+        if self.timestamp_unix_ms is not None and self.timestamp_unix_ms > MAX_TIMESTAMP_MS:
+            self.timestamp_unix_ms = MAX_TIMESTAMP_MS
 
 
 class Error(msgspec.Struct, tag="error", tag_field="type"):

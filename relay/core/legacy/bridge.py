@@ -14,9 +14,11 @@ wire instead (see :mod:`relay.core.legacy.frames`):
   rendered (:mod:`relay.core.legacy.render`) and handed to ``on_chunk``; the empty
   result frame ends the task with ``on_complete``.
 
-Bad frames — shorter than a task id, for an id this connection never gave out or
-that already finished, or not UTF-8 (with any unfinished character before them) —
-are dropped and counted in the core's ``dropped_frames``; they never reach a client.
+Bad frames — text other than the empty heartbeat, binary shorter than a task id, for
+an id this connection never gave out or that already finished, or not UTF-8 (with
+any unfinished character before them) — are dropped and counted in the core's
+``dropped_frames``; they never reach a client. The log gets one line for the first
+and then at most one summary line per ``bad_frame_window``.
 Late frames for a task the server stopped are expected (the node was mid-generation)
 and dropped without blame. More than ``bad_frame_limit`` bad frames within
 ``bad_frame_window`` seconds close the node (1002).
@@ -26,6 +28,7 @@ Like the core, every method is synchronous and runs on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import logging
 import time
@@ -106,6 +109,10 @@ class NodeBridge:
         self._stopped: OrderedDict[int, None] = OrderedDict()
         self._last_id = 0
         self._bad: deque[float] = deque(maxlen=config.bad_frame_limit + 1)
+        #: Bad-frame logging (:meth:`_log_bad`): the pending summary, what it will say.
+        self._summary: asyncio.TimerHandle | None = None
+        self._unlogged = 0
+        self._last_reason = ""
 
     @property
     def label(self) -> str:
@@ -128,6 +135,9 @@ class NodeBridge:
                 pass  # ping, ack, drain notice, models_refresh: nothing in the old protocol
 
     def close(self, code: int, reason: str) -> None:
+        if self._summary is not None:
+            self._summary.cancel()
+            self._log_summary(again=False)  # what the node sent since the last line
         self.transport.close(frames.CLOSE_NORMAL if code == 1000 else code, reason)
 
     def _start(self, message: protocol.Request) -> None:
@@ -194,10 +204,11 @@ class NodeBridge:
     # -- the node's side -----------------------------------------------------------
 
     def on_text(self, text: str) -> None:
-        """A text frame: the heartbeat when empty; anything else is only logged."""
+        """A text frame: the heartbeat when empty; anything else is a bad frame (the
+        old protocol has nodes send only results, in binary frames)."""
         self._alive()
         if text:
-            logger.info("legacy node %s says: %s", self.label, text[:200])
+            self._blame(f"a text frame ({len(text)} characters: {text[:80]!r})")
 
     def on_binary(self, data: bytes) -> None:
         """A result frame: a text delta for a task, or (payload empty) its end."""
@@ -258,6 +269,37 @@ class NodeBridge:
             ),
         )
 
+    def _log_bad(self, reason: str) -> None:
+        """One line for the first bad frame, then at most one summary line per
+        ``bad_frame_window`` while they keep coming: a node cannot flood the log."""
+        if self._summary is None:
+            logger.info("dropped a frame from legacy node %s: %s", self.label, reason)
+            self._summary = self.relay.loop.call_later(
+                self.config.bad_frame_window, self._log_summary
+            )
+            return
+        self._unlogged += 1
+        self._last_reason = reason
+
+    def _log_summary(self, *, again: bool = True) -> None:
+        if not self._unlogged or not again:
+            if self._unlogged:
+                self._log_unlogged()
+            self._summary = None  # quiet for a whole window: the next one gets its own line
+            return
+        self._log_unlogged()
+        self._summary = self.relay.loop.call_later(self.config.bad_frame_window, self._log_summary)
+
+    def _log_unlogged(self) -> None:
+        logger.info(
+            "dropped %d more bad frame(s) from legacy node %s within %gs (the last: %s)",
+            self._unlogged,
+            self.label,
+            self.config.bad_frame_window,
+            self._last_reason,
+        )
+        self._unlogged = 0
+
     def _alive(self) -> Worker | None:
         worker = self.worker
         if worker is not None and worker.attached:
@@ -266,9 +308,9 @@ class NodeBridge:
         return None
 
     def _blame(self, reason: str) -> None:
-        """Drop a bad frame: count it, and close a node that sends too many."""
+        """Drop a bad frame: count it, log it (throttled), close a node that sends too many."""
         self.relay.stats.dropped_frames += 1
-        logger.info("dropped a frame from legacy node %s: %s", self.label, reason)
+        self._log_bad(reason)
         now = self.relay.loop.time()
         bad = self._bad
         bad.append(now)

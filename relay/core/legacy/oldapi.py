@@ -23,9 +23,11 @@ import msgspec
 from relay.wire.errors import (
     BadRequest,
     ClientError,
+    ModelNotAllowed,
     ModelNotFound,
     QueueFull,
     QueueTimeout,
+    RateLimited,
     RelayError,
     ServiceUnavailable,
     Unauthorized,
@@ -43,6 +45,11 @@ NO_NODE = "timeout waiting for node"
 NO_FINISH = "timeout waiting for finish"
 
 CONTENT_TYPE = b"text/event-stream"
+
+#: Bounds on the old client's numbers (compared as sent: a 400-digit integer is
+#: refused here, never converted): OpenAI's temperature range, a 31-bit token budget.
+MAX_TEMPERATURE = 2
+MAX_NEW_TOKENS = 2**31 - 1
 
 _JSON = msgspec.json.Encoder()
 _DONE = b'{"done":true}\n'
@@ -94,13 +101,21 @@ def parse_request(raw: bytes) -> OldChat:
     }
     temperature = document.get("temperature")
     if temperature is not None:
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-            raise BadRequest("'temperature' must be a number")
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, int | float)
+            or not 0 <= temperature <= MAX_TEMPERATURE
+        ):
+            raise BadRequest(f"'temperature' must be a number from 0 to {MAX_TEMPERATURE}")
         chat["temperature"] = temperature
     budget = document.get("max_new_tokens")
     if budget is not None:
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise BadRequest("'max_new_tokens' must be a positive integer")
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, int)
+            or not 1 <= budget <= MAX_NEW_TOKENS
+        ):
+            raise BadRequest(f"'max_new_tokens' must be an integer from 1 to {MAX_NEW_TOKENS}")
         chat["max_tokens"] = budget
     return OldChat(
         model=model,
@@ -119,21 +134,37 @@ def _label(value: object) -> str | None:
 def old_error(err: RelayError) -> str:
     """The old broker's message for a relay error.
 
-    Refused before a worker was involved → what the client did wrong; never placed
-    on a worker (queue full or timed out, provider off, requeues spent, shutting
-    down) → waiting for a node; anything after that → waiting for the finish.
+    Refused before a worker was involved → what the client did wrong (a key that is
+    missing, invalid, expired or not allowed the model → unauthorized); never placed
+    on a worker (queue full or timed out, a key over its limits, provider off,
+    requeues spent, shutting down) → waiting for a node; anything after that →
+    waiting for the finish.
     """
-    if isinstance(err, Unauthorized):
+    if isinstance(err, Unauthorized | ModelNotAllowed):
         return UNAUTHORIZED
     if isinstance(err, ModelNotFound):
         return UNKNOWN_MODEL
-    if isinstance(err, QueueFull | QueueTimeout):
+    if isinstance(err, QueueFull | QueueTimeout | RateLimited):
         return NO_NODE
     if isinstance(err, ClientError):
         return INVALID_REQUEST
     if isinstance(err, ServiceUnavailable) and not isinstance(err, WorkerLost):
         return NO_NODE
     return NO_FINISH
+
+
+def refusal(err: RelayError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """``(status, headers, body)`` for a request refused before it was queued: the
+    error's own status (401, 413, 429, …), and its one old error line as the body."""
+    body = error_line(old_error(err))
+    headers = [
+        (b"content-type", CONTENT_TYPE),
+        (b"cache-control", b"no-cache"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if err.retry_after is not None:
+        headers.append((b"retry-after", str(err.retry_after).encode()))
+    return err.status, headers + err.headers, body
 
 
 def status_error(status: int) -> str:

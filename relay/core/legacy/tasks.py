@@ -8,7 +8,7 @@ an OpenAI ``/v1/chat/completions`` or Anthropic ``/v1/messages`` body:
   ``system`` (a string or text blocks), joined by blank lines;
 - messages: the text of each user/assistant message, content parts flattened;
 - ``max_new_tokens``: ``max_completion_tokens`` or ``max_tokens``, else a default;
-- ``temperature``: as given, else 1.0 (both APIs' default).
+- ``temperature``: as given (from 0 to 2), else 1.0 (both APIs' default).
 
 Anything the task format cannot carry — images, audio, files, tools, ``n`` > 1,
 another endpoint — is :class:`Untranslatable`; :func:`refusal` turns that into the
@@ -30,6 +30,8 @@ Dialect = Literal["openai", "anthropic"]
 ENDPOINTS: dict[str, Dialect] = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic"}
 DEFAULT_MAX_NEW_TOKENS = 1024
 DEFAULT_TEMPERATURE = 1.0
+#: The highest temperature a task carries (OpenAI's range; Anthropic's is within it).
+MAX_TEMPERATURE = 2
 
 _IMAGES = frozenset({"image_url", "input_image", "image", "document", "file", "input_audio"})
 _TOOLS = frozenset(
@@ -108,8 +110,11 @@ def refusal(
         request.translation = translate(
             request.endpoint_path, request.body, default_max_new_tokens=default_max_new_tokens
         )
-    except Untranslatable as exc:
-        reason = f"Model '{request.model[:256]}' is served only by legacy nodes here: {exc}"
+    except (Untranslatable, TypeError, ArithmeticError) as exc:
+        # Untranslatable says what; anything else is input this module did not foresee,
+        # refused all the same rather than raised into the dispatcher.
+        why = exc if isinstance(exc, Untranslatable) else "the request cannot be translated"
+        reason = f"Model '{request.model[:256]}' is served only by legacy nodes here: {why}"
         request.translation = _Refused(reason)
         return reason
     return None
@@ -178,6 +183,8 @@ def _text(content: object) -> str:
             parts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            kind = None  # a list or object there is no part type (and not hashable)
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
@@ -202,8 +209,14 @@ def _budget(value: object, default: int) -> int:
 
 
 def _temperature(value: object) -> float:
+    """The task's temperature; compared as sent, so that no number from a client (a
+    400-digit integer) is converted before it is known to fit."""
     if value is None:
         return DEFAULT_TEMPERATURE
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise Untranslatable("'temperature' must be a number")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_TEMPERATURE
+    ):
+        raise Untranslatable(f"'temperature' must be a number from 0 to {MAX_TEMPERATURE}")
     return float(value)

@@ -1,8 +1,9 @@
 """The client-facing hot path: a small ASGI app routed ahead of Django.
 
 Inference routes, ``/v1/models``, ``/health`` and ``/metrics`` are served here
-directly, so they pay none of Django's per-request thread hand-offs; every other
-path falls through to Django (admin, JSON API, pages).
+directly, so they pay none of Django's per-request thread hand-offs; the paths
+Django serves fall through to it (admin, JSON API, pages); every other path gets a
+JSON 404 in the envelope its client speaks.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ import logging
 
 from relay.server import runtime
 from relay.server.batches import api as batches
-from relay.server.http import info
-from relay.server.http.inference import TOKEN_HEADER_B, inference, placed_here
+from relay.server.http import early, info
+from relay.server.http.inference import inference, placed_here
 from relay.server.http.request import (
     MAX_HEADER_BYTES,
     MAX_HEADER_COUNT,
-    header,
     host_allowed,
     route_table,
 )
 from relay.server.http.send import ASGIApp, Receive, Scope, Send, send_error
-from relay.wire.errors import BadRequest, Flavor, HeadersTooLarge, RelayError
+from relay.wire.errors import BadRequest, HeadersTooLarge, RelayError
 
 logger = logging.getLogger("relay.http")
 
@@ -57,9 +57,9 @@ class RelayHttpApp:
         try:
             ours = flavor is not None or path in ("/health", "/metrics") or path == "/v1/models"
             ours = ours or batches.serves(path)
-            internal = flavor is not None and header(scope, TOKEN_HEADER_B) is not None
-            if internal:
-                assert flavor is not None
+            if flavor is not None and early.internal(headers):
+                # Placed here by another process; any other value of the header is
+                # ignored and the request checked as a client's.
                 await placed_here(scope, receive, send, flavor)
                 return
             if (ours or path.startswith("/v1/models/")) and not host_allowed(scope):
@@ -78,7 +78,9 @@ class RelayHttpApp:
                 await batches.handle(scope, receive, send)
             elif path in self.routes:
                 await self.routes[path](scope, receive, send)
-            elif path.startswith("/v1/"):
+            elif path.startswith("/v1/") or not early.django_serves(path):
+                # Never Django's HTML page for a path nothing serves (llama-server's
+                # /tokenize, /props ...): JSON in the envelope the client speaks.
                 await info.unknown(scope, send, path)
             else:
                 await self.fallback(scope, receive, send)
@@ -96,11 +98,8 @@ class RelayHttpApp:
 
 def refused_before_body(
     method: str, path: str, headers: list[tuple[bytes, bytes]]
-) -> tuple[RelayError, Flavor] | None:
-    """For the server, before a request's body is read: the error a request to one of
-    the routes served here besides the relayed ones gets anyway (a file upload over
-    its size limit or without a valid key), with the envelope to answer it in."""
-    if not batches.serves(path):
-        return None
-    err = batches.refused_before_body(method, path, headers)
-    return None if err is None else (err, batches.flavor_of(path))
+) -> early.Verdict:
+    """For the server, before a request's body is read: the answer a request gets
+    anyway on its headers alone, or how much body it may send
+    (:mod:`relay.server.http.early`)."""
+    return early.check(method, path, headers)

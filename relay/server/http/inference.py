@@ -3,8 +3,6 @@ another server process placed on one of this process's workers (cluster mode).""
 
 from __future__ import annotations
 
-import hmac
-
 from relay.core import classes
 from relay.server import runtime
 from relay.server.cluster.proxy import (
@@ -12,8 +10,8 @@ from relay.server.cluster.proxy import (
     KEY_HEADER,
     LEASE_HEADER,
     LIFETIME_HEADER,
-    TOKEN_HEADER,
 )
+from relay.server.http.early import CLOSE, body_left
 from relay.server.http.request import (
     ClientGone,
     before_body,
@@ -27,7 +25,6 @@ from relay.server.http.send import Receive, Scope, Send, send_error, send_simple
 from relay.wire.errors import BadRequest, Flavor, RelayError, WorkerUnavailable
 from relay.wire.headers import forwarded_request_headers
 
-TOKEN_HEADER_B = TOKEN_HEADER.encode()
 LEASE_HEADER_B = LEASE_HEADER.encode()
 LIFETIME_HEADER_B = LIFETIME_HEADER.encode()
 KEY_HEADER_B = KEY_HEADER.encode()
@@ -44,9 +41,11 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
     relay = rt.relay
     path = scope["path"]
     await rt.ready()  # providers and keys loaded (instant after the first request)
+    unread = True
     try:
         key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
         raw = await read_body(receive, rt.config.max_request_bytes)
+        unread = False
         try:
             body = raw.decode()
         except UnicodeDecodeError:
@@ -59,6 +58,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         return
     except RelayError as err:
         relay.record_rejection(err, "", path, False, None)
+        if unread and body_left(scope["headers"]):
+            cors = [*(cors or []), CLOSE]  # the body stays unread: no next request follows
         await send_error(send, err, flavor, cors)
         return
     if rt.placement is not None and not relay.knows(model):
@@ -84,24 +85,26 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             ticket=ticket,
             service_class=rt.service_class(key_id, wanted),
         )
-    except RelayError as err:  # already counted by the core
+    except BaseException as exc:
+        # Until submit returns the ticket is ours: free the key's slot on every way
+        # out, a bug included (the application answers that one with a 500).
         if ticket is not None:
             ticket.close()
-        await send_error(send, err, flavor, cors)
+        if not isinstance(exc, RelayError):
+            raise
+        await send_error(send, exc, flavor, cors)  # already counted by the core
         return
     await respond(relay, request, receive, send, cors or [])
 
 
 async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
     """A request another server process placed on one of our workers (cluster mode,
-    see :mod:`relay.server.cluster.proxy`): authenticated by the cluster token, already
+    see :mod:`relay.server.cluster.proxy`): authenticated by the cluster token
+    (:func:`relay.server.http.early.internal`, checked by the caller), already
     admitted there (keys, limits, aliases), its slot reserved under a lease."""
     rt = runtime.current()
     placement = rt.placement
-    token = header(scope, TOKEN_HEADER_B) or b""
-    if placement is None or not hmac.compare_digest(token, rt.cluster_token.encode()):
-        await send_simple(send, 403, [(b"content-type", b"text/plain")], b"forbidden\n")
-        return
+    assert placement is not None  # internal() holds only in cluster mode
     relay = rt.relay
     path = scope["path"]
     worker_id, _, lease = (header(scope, LEASE_HEADER_B) or b"").decode().partition(" ")

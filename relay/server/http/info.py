@@ -1,5 +1,5 @@
 """The small JSON routes of the fast path: ``/health``, ``/metrics``, ``/v1/models``, and
-the JSON 404/405 of every other ``/v1/`` path."""
+the JSON 404/405 of every path nothing serves."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from urllib.parse import parse_qs
 
 from relay import __version__
 from relay.server import runtime
-from relay.server.http.request import header, looks_anthropic
+from relay.server.http.early import CLOSE, body_left, envelope, unknown_path
+from relay.server.http.request import header
 from relay.server.http.send import Scope, Send, send_error, send_json, send_simple
 from relay.server.metrics import CONTENT_TYPE
 from relay.wire.errors import (
@@ -19,24 +20,16 @@ from relay.wire.errors import (
     Flavor,
     MethodNotAllowed,
     ModelNotFound,
-    NotFound,
     RelayError,
-    UpgradeRequired,
 )
-
-#: Worker WebSocket endpoints: over plain HTTP they answer 426.
-WORKER_PATHS = ("/v1/worker/connect", "/v1/worker/legacy")
 
 
 async def unknown(scope: Scope, send: Send, path: str) -> None:
-    """Every other ``/v1/`` path: JSON in the envelope the client speaks, never HTML."""
-    flavor: Flavor = "anthropic" if looks_anthropic(scope, path) else "openai"
-    err: RelayError
-    if path in WORKER_PATHS:
-        err = UpgradeRequired()
-    else:
-        err = NotFound(f"No route for {scope['method']} {path[:200]}")
-    await send_error(send, err, flavor)
+    """Every path nothing serves: JSON in the envelope the client speaks, never HTML.
+    Its body is never read (the connection closes after the answer when one follows)."""
+    headers = scope["headers"]
+    err = unknown_path(path, headers, scope["method"])
+    await send_error(send, err, envelope(path, headers), [CLOSE] if body_left(headers) else None)
 
 
 async def health(scope: Scope, send: Send) -> None:

@@ -7,10 +7,13 @@ worker or a legacy node alike. What streams back is read as chat-completion even
 and written as the old newline-delimited JSON lines: ``{"o":…}``…, then
 ``{"done":true}`` or ``{"err":…}``.
 
-Answers are ``200 text/event-stream`` whatever happened, errors included (old
-clients read the lines, not the status), except a method other than POST (405).
-API keys are checked as on the inference routes (``Authorization: Bearer``) when
-they are required; the old client's token is never forwarded to a backend.
+A request refused before it is queued (its method, API key or size, checked before
+its body is read; then its body; then the key's limits, SPEC §13) gets the error's
+status — 400, 401, 403, 405, 413, 429, 503 … — with its one old error line as the
+body. Once queued, the answer is ``200 text/event-stream`` whatever happens, errors
+included (old clients read the lines, not the status). API keys are checked and
+charged as on the inference routes (``Authorization: Bearer``) when they are
+required; the old client's token is never forwarded to a backend.
 """
 
 from __future__ import annotations
@@ -19,12 +22,14 @@ import asyncio
 import logging
 
 from relay.core.legacy import oldapi
+from relay.core.limits import Ticket
 from relay.core.relay import Relay
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server import runtime
-from relay.server.http.request import ClientGone, host_allowed, read_body
+from relay.server.http.early import CLOSE, body_left, old_api_head
+from relay.server.http.request import ClientGone, read_body
 from relay.server.http.send import SECURITY_HEADERS, Receive, Scope, Send
-from relay.wire.errors import BadRequest, MethodNotAllowed, RelayError
+from relay.wire.errors import BadRequest, RelayError
 
 logger = logging.getLogger("relay.oldapi")
 
@@ -38,10 +43,9 @@ _HEADERS = [
 class _Lines:
     """The response: started with the first line, flushed line group by line group."""
 
-    def __init__(self, send: Send, extra: list[tuple[bytes, bytes]], status: int = 200) -> None:
+    def __init__(self, send: Send, extra: list[tuple[bytes, bytes]]) -> None:
         self.send = send
         self.extra = extra
-        self.status = status
         self.started = False
 
     async def write(self, data: bytes, *, last: bool) -> None:
@@ -50,7 +54,7 @@ class _Lines:
             await self.send(
                 {
                     "type": "http.response.start",
-                    "status": self.status,
+                    "status": 200,
                     "headers": _HEADERS + SECURITY_HEADERS + self.extra,
                 }
             )
@@ -80,24 +84,31 @@ class OldChatApp:
             )
             await send({"type": "http.response.body", "body": b""})
             return
-        lines = _Lines(send, cors or [], 405 if method != "POST" else 200)
+        lines = _Lines(send, cors or [])
         await rt.ready()
+        key_id: int | None = None
+        model = ""
+        ticket: Ticket | None = None
+        unread = True
         try:
-            if not host_allowed(scope):
-                raise BadRequest("Invalid Host header")
-            if method != "POST":
-                raise MethodNotAllowed(f"Use POST for {self.path}")
-            key_id, _ = rt.authenticate(headers, "openai")
-            old = oldapi.parse_request(await read_body(receive, rt.config.max_request_bytes))
+            # Refused on its headers: before the body is read, as the daphne shim
+            # does before the body arrives (relay.server.http.early).
+            key_id = old_api_head(method, headers)
+            raw = await read_body(receive, rt.config.max_request_bytes)
+            unread = False
+            old = oldapi.parse_request(raw)
+            model = old.model
             if len(old.model) > rt.config.max_model_name_len:
                 raise BadRequest(
                     f"'model' is longer than {rt.config.max_model_name_len} characters"
                 )
+            if key_id is not None:  # the key's limits (SPEC §13), as on /v1 routes
+                ticket = await rt.admit(key_id, old.model)
         except ClientGone:
             return
         except RelayError as err:
-            relay.record_rejection(err, "", self.path, True, None)
-            await lines.write(oldapi.error_line(oldapi.old_error(err)), last=True)
+            relay.record_rejection(err, model, self.path, True, key_id)
+            await _refuse(send, err, cors or [], unread and body_left(headers))
             return
         try:
             request = relay.submit(
@@ -108,9 +119,17 @@ class OldChatApp:
                 body=old.body,
                 headers={"content-type": "application/json"},
                 key_id=key_id,
+                ticket=ticket,
+                service_class=rt.service_class(key_id, None),
             )
-        except RelayError as err:  # already counted by the core
-            await lines.write(oldapi.error_line(oldapi.old_error(err)), last=True)
+        except BaseException as exc:
+            # Until submit returns the ticket is ours: free the key's slot on every
+            # way out, a bug included.
+            if ticket is not None:
+                ticket.close()
+            if not isinstance(exc, RelayError):
+                raise
+            await _refuse(send, exc, cors or [], False)  # already counted by the core
             return
         logger.info(
             "old API request %s: model=%s conversation_id=%s user_id=%s",
@@ -120,6 +139,23 @@ class OldChatApp:
             old.user_id,
         )
         await _relay(relay, request, receive, lines)
+
+
+async def _refuse(
+    send: Send, err: RelayError, extra: list[tuple[bytes, bytes]], close: bool
+) -> None:
+    """Answer a request refused before it was queued: the error's status, one old line."""
+    status, headers, body = oldapi.refusal(err)
+    if close:
+        headers.append(CLOSE)  # its body is left unread
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": headers + SECURITY_HEADERS + extra,
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _relay(relay: Relay, request: RelayRequest, receive: Receive, lines: _Lines) -> None:
