@@ -181,6 +181,8 @@ def _old_api(method: str, headers: Headers) -> Verdict:
     rt = runtime.current()
     limit = rt.config.max_request_bytes
     try:
+        if not host_allowed({"headers": headers, "server": None}):
+            raise BadRequest("Invalid Host header")
         old_api_head(method, headers, check_key=keys_ready())
     except RelayError as err:
         rt.relay.record_rejection(err, "", oldapi.PATH, True, None)
@@ -193,12 +195,10 @@ def _old_api(method: str, headers: Headers) -> Verdict:
 
 
 def old_api_head(method: str, headers: Headers, *, check_key: bool = True) -> int | None:
-    """Everything ``POST /api/chat`` is refused for before its body: the Host, the
-    method, the API key (its id returned, None when keys are off), a declared length
-    over MAX_REQUEST_BYTES. Raises the error to answer."""
+    """Everything ``POST /api/chat`` is refused for before its body besides its Host:
+    the method, the API key (its id returned, None when keys are off), a declared
+    length over MAX_REQUEST_BYTES. Raises the error to answer."""
     rt = runtime.current()
-    if not host_allowed({"headers": headers, "server": None}):
-        raise BadRequest("Invalid Host header")
     if method != "POST":
         raise MethodNotAllowed(f"Use POST for {oldapi.PATH}", allow="POST")
     key_id = rt.authenticate(headers, "openai")[0] if check_key else None

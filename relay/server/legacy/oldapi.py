@@ -27,7 +27,7 @@ from relay.core.relay import Relay
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server import runtime
 from relay.server.http.early import CLOSE, body_left, old_api_head
-from relay.server.http.request import ClientGone, read_body
+from relay.server.http.request import ClientGone, host_allowed, read_body
 from relay.server.http.send import SECURITY_HEADERS, Receive, Scope, Send
 from relay.wire.errors import BadRequest, RelayError
 
@@ -93,6 +93,8 @@ class OldChatApp:
         try:
             # Refused on its headers: before the body is read, as the daphne shim
             # does before the body arrives (relay.server.http.early).
+            if not host_allowed(scope):
+                raise BadRequest("Invalid Host header")
             key_id = old_api_head(method, headers)
             raw = await read_body(receive, rt.config.max_request_bytes)
             unread = False
