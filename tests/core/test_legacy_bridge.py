@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -306,3 +307,36 @@ async def test_a_model_only_legacy_nodes_serve_refuses_images_with_a_400():
     with pytest.raises(BadRequest, match=r"served only by legacy nodes here: .* not images"):
         ask(relay, messages=image)
     assert relay.queue_depth() == 0
+
+
+async def test_text_frames_are_bad_frames_logged_once_then_summed_up_per_window(caplog):
+    relay = make_relay()
+    config = BridgeConfig(bad_frame_limit=100_000, bad_frame_window=0.05)
+    worker, bridge, _ = node(relay, config=config)
+    caplog.set_level(logging.INFO, logger="relay.legacy")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "relay.legacy"]
+
+    bridge.on_text("")  # the heartbeat: not a bad frame
+    for n in range(5000):
+        bridge.on_text(f"what old nodes print {n}\n")
+    assert relay.stats.dropped_frames == 5000 and worker.attached
+    assert len(lines()) == 1 and "a text frame" in lines()[0] and "print 0" in lines()[0]
+    async with asyncio.timeout(2):  # the window ends: one line for all the rest
+        while len(lines()) < 2:
+            await asyncio.sleep(0.01)
+    summary = lines()[1]
+    assert "dropped 4999 more bad frame(s)" in summary and "print 4999" in summary
+    assert "\n" not in summary  # a node's text cannot start a log line of its own
+    bridge.on_text("one more")  # within the next window: counted for its summary
+    relay.close_worker(worker, 1000, "drained")  # ...which closing writes at once
+    assert "dropped 1 more bad frame(s)" in lines()[-1] and len(lines()) == 3
+
+
+async def test_a_node_flooding_text_frames_is_closed():
+    relay = make_relay()
+    worker, bridge, transport = node(relay, config=BridgeConfig(bad_frame_limit=3))
+    for _ in range(4):
+        bridge.on_text("chatter")
+    assert transport.closed == (1002, "too many bad frames") and not worker.attached

@@ -283,3 +283,32 @@ async def test_the_pages_django_serves_are_still_served(fresh_runtime):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     status, headers, _ = await (await HttpCall("GET", "/dashboard").send()).response()
     assert status == 302  # staff login first: Django's page, not a 404
+
+
+# -- pongs of the reference's widths ----------------------------------------------
+
+
+async def test_a_pong_the_reference_allows_keeps_the_worker_and_one_it_does_not_closes_it(
+    fresh_runtime,
+):
+    await make_provider()
+    rt = runtime.current()
+    async with FakeWorker() as worker:
+        await worker.register(max_concurrent=2)
+        # Microseconds, and the widest load a u32 holds: clamped, not a protocol error.
+        await worker.send(
+            {"type": "pong", "current_load": 2**32 - 1, "timestamp_unix_ms": 2**64 - 1}
+        )
+        (registered,) = rt.relay.registry.workers.values()
+        await until(lambda: registered.reported_load == protocol.MAX_COUNT)
+        await worker.send(
+            {"type": "pong", "current_load": 0, "timestamp_unix_ms": 1_700_000_000_000_000}
+        )
+        await until(lambda: registered.reported_load == 0)
+        call = await HttpCall("POST", "/v1/chat/completions", chat()).send()
+        request = await worker.expect(protocol.Request)
+        await worker.answer(request.request_id)
+        assert (await call.response())[0] == 200
+        # Past a u64: what the reference could never have sent.
+        await worker.send({"type": "pong", "current_load": 0, "timestamp_unix_ms": 2**64})
+        assert (await worker.wait_closed())[0] == 1002

@@ -7,8 +7,11 @@ import asyncio
 import json
 import socket
 
+import httpx
 import pytest
 
+from relay.core.routes import DEFAULT_ROUTES
+from relay.server.cluster.proxy import cluster_token
 from relay.wire import protocol
 from tests.live import LiveServer
 from tests.rawworker import connect, expect, register
@@ -70,6 +73,122 @@ async def test_refused_requests_are_answered_before_their_body_is_read(relay_ser
                 until=b"}}",
             )
             assert status_of(response) == 401
+
+
+PEPPER = "live-security-pepper-0123456789abcdef"
+ADMIN_TOKEN = "live-security-admin"
+HUGE = str(10 * 1024**3)  # announced, never sent
+#: The internal header of cluster mode: absent, a made-up value, and the value the
+#: server's own pepper gives, which is no credential while it is not in a cluster.
+INTERNAL = [
+    {},
+    {"X_Modelrelay_Cluster": "not-the-token"},
+    {"X_Modelrelay_Cluster": cluster_token(PEPPER)},
+]
+
+
+async def refused(server: LiveServer, head: bytes) -> tuple[int, bytes, bytes]:
+    """Send only ``head`` (its body announced, never sent) and read the answer to the
+    end: the server must answer and close the connection without waiting for the body."""
+    response = await exchange(server, head)
+    assert b"\r\n\r\n" in response, response
+    head_part, _, body = response.partition(b"\r\n\r\n")
+    return status_of(response), head_part.lower(), body
+
+
+async def test_every_route_is_refused_before_its_body_when_it_will_be_refused_anyway(
+    relay_server_factory,
+):
+    env = {
+        "MODELRELAY_REQUIRE_API_KEYS": "true",
+        "MAX_REQUEST_BYTES": str(64 * 1024),
+        "BATCH_FILE_MAX_BYTES": str(256 * 1024),
+        "MODELRELAY_ADMIN_TOKEN": ADMIN_TOKEN,
+        "MODELRELAY_SECRET_PEPPER": PEPPER,
+    }
+    with relay_server_factory(**env) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+            made = await client.post("/admin/keys", json={"name": "edge"}, headers=admin)
+            key = {"Authorization": f"Bearer {made.json()['secret']}"}
+            async with asyncio.timeout(10):  # the new key is loaded within a sync
+                while (await client.get("/v1/models", headers=key)).status_code != 200:
+                    await asyncio.sleep(0.05)
+        table: list[tuple[str, dict[str, str], int]] = []
+        for path in DEFAULT_ROUTES:
+            for internal in INTERNAL:
+                table += [
+                    (path, {**internal, "Content_Length": HUGE}, 401),
+                    (path, {**internal, "Transfer_Encoding": "chunked"}, 401),
+                    (path, {**internal, **key, "Content_Length": HUGE}, 413),
+                    (
+                        path,
+                        {**internal, **key, "Content_Length": HUGE, "Content_Type": "text/plain"},
+                        415,
+                    ),
+                ]
+        for internal in INTERNAL:
+            table += [
+                ("/api/chat", {**internal, "Content_Length": HUGE}, 401),
+                ("/api/chat", {**internal, "Transfer_Encoding": "chunked"}, 401),
+                ("/api/chat", {**internal, **key, "Content_Length": HUGE}, 413),
+            ]
+        table += [
+            ("/v1/files", {"Content_Length": HUGE}, 401),
+            ("/v1/files", {"Transfer_Encoding": "chunked"}, 401),
+            ("/v1/files", {**key, "Content_Length": HUGE}, 413),
+            ("/v1/files", {**key, "Transfer_Encoding": "chunked"}, 415),  # not multipart
+            ("/v1/batches", {"Transfer_Encoding": "chunked"}, 401),
+            ("/v1/messages/batches", {"Content_Length": HUGE}, 401),
+            ("/v1/models", {**key, "Content_Length": HUGE}, 405),
+            ("/v1/no-such-route", {**key, "Content_Length": HUGE}, 404),
+            ("/tokenize", {**key, "Content_Length": HUGE}, 404),
+        ]
+        for path, headers, status in table:
+            got, head, body = await refused(server, post_head(path, **headers))
+            assert got == status, (path, headers, head, body)
+            assert b"connection: close" in head, (path, headers, head)
+            if path == "/api/chat":
+                assert head.count(b"content-type: text/event-stream") == 1
+                assert body.startswith(b'{"err":'), body
+            elif path in ("/v1/messages", "/v1/messages/count_tokens", "/v1/messages/batches"):
+                assert json.loads(body)["type"] == "error", body
+            else:
+                assert "error" in json.loads(body), body
+            if status == 401:
+                assert b"www-authenticate: bearer" in head, head
+        # The old API's other methods are refused without reading either.
+        got, head, body = await refused(
+            server, post_head("/api/chat", Content_Length=HUGE).replace(b"POST", b"PUT", 1)
+        )
+        assert (got, body) == (405, b'{"err":"invalid request"}\n')
+        # A chunked body with a valid key is cut off at the limit (all routes alike).
+        chunk = b"8000\r\n" + b" " * 0x8000 + b"\r\n"
+        for path in ("/api/chat", "/v1/chat/completions"):
+            response = await exchange(
+                server, post_head(path, Transfer_Encoding="chunked", **key) + chunk * 3
+            )
+            assert status_of(response) == 413, (path, response[:300])
+
+
+async def test_the_401_has_the_same_headers_whatever_the_method_and_body(relay_server_factory):
+    with relay_server_factory(MODELRELAY_REQUIRE_API_KEYS="true") as server:
+
+        def names(response: bytes) -> list[bytes]:
+            head = response.partition(b"\r\n\r\n")[0].split(b"\r\n")[1:]
+            skip = (b"date", b"server", b"connection", b"content-length")
+            return sorted(
+                n for n in (line.split(b":", 1)[0] for line in head) if n.lower() not in skip
+            )
+
+        get = await exchange(
+            server, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", until=b"}}"
+        )
+        small = await exchange(server, post_head(Content_Length="2") + b"{}", until=b"}}")
+        large = await exchange(server, post_head(Content_Length=HUGE))
+        assert status_of(get) == status_of(small) == status_of(large) == 401
+        assert names(get) == names(small) == names(large), (get, small, large)
+        assert b"www-authenticate: bearer" in get.lower()
 
 
 async def test_a_chunked_body_is_cut_off_at_the_limit(relay_server_factory):

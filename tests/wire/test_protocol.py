@@ -90,3 +90,42 @@ def test_bad_worker_frames_raise_protocol_error(raw, reason):
 def test_a_worker_cannot_send_server_messages():
     with pytest.raises(ProtocolError):
         protocol.decode_worker_message(protocol.encode(SERVER_MESSAGES[1]))
+
+
+U32_MAX, U64_MAX = 2**32 - 1, 2**64 - 1
+
+
+@pytest.mark.parametrize(
+    ("load", "timestamp", "clamped"),
+    [
+        (0, 1_700_000_000_000, (0, 1_700_000_000_000)),  # milliseconds, as meant
+        (3, 1_700_000_000_000_000, (3, protocol.MAX_TIMESTAMP_MS)),  # microseconds
+        (2**31, None, (protocol.MAX_COUNT, None)),  # past an i32
+        (U32_MAX, U64_MAX, (protocol.MAX_COUNT, protocol.MAX_TIMESTAMP_MS)),
+    ],
+)
+def test_a_pong_takes_whatever_the_reference_types_hold_and_clamps_it(load, timestamp, clamped):
+    fields = f'"current_load":{load}' + (
+        "" if timestamp is None else f',"timestamp_unix_ms":{timestamp}'
+    )
+    pong = protocol.decode_worker_message('{"type":"pong",' + fields + "}")
+    assert isinstance(pong, protocol.Pong)
+    assert (pong.current_load, pong.timestamp_unix_ms) == clamped
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        f'"current_load":{U32_MAX + 1}',  # wider than a u32
+        '"current_load":-1',
+        '"current_load":1.0',  # not an integer
+        '"current_load":"1"',
+        f'"timestamp_unix_ms":{U64_MAX + 1}',  # wider than a u64
+        f'"timestamp_unix_ms":{"9" * 400}',
+        '"timestamp_unix_ms":-1',
+        '"timestamp_unix_ms":1.7e15',
+    ],
+)
+def test_a_pong_beyond_the_reference_types_is_a_protocol_error(fields):
+    with pytest.raises(ProtocolError):
+        protocol.decode_worker_message('{"type":"pong",' + fields + "}")

@@ -9,6 +9,7 @@ JSON 404 in the envelope its client speaks.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from relay.server import runtime
 from relay.server.batches import api as batches
@@ -40,6 +41,8 @@ class RelayHttpApp:
             return
         rt = runtime.current()
         rt.http_started()  # a stopping server lets these finish (see Runtime.shutdown)
+        if early.body_left(scope["headers"]):
+            receive, send = _closing(receive, send)
         try:
             await self._serve(scope, receive, send)
         finally:
@@ -94,6 +97,28 @@ class RelayHttpApp:
                 await send_error(send, RelayError(), flavor or fallback)
             except Exception:
                 pass  # the response had already started: the server ends it
+
+
+def _closing(receive: Receive, send: Send) -> tuple[Receive, Send]:
+    """``receive`` and ``send`` for a request with a large or chunked body: answered
+    before its body was read to the end (a refusal), the response says
+    ``Connection: close``, so the server closes the connection rather than read the
+    rest (uvicorn would read and discard it all; the next request could never come)."""
+    done = False
+
+    async def receiving() -> dict[str, Any]:
+        nonlocal done
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            done = True
+        return message
+
+    async def sending(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and not done:
+            message = {**message, "headers": [*message.get("headers", []), early.CLOSE]}
+        await send(message)
+
+    return receiving, sending
 
 
 def refused_before_body(

@@ -216,12 +216,13 @@ def _batches(method: str, path: str, headers: Headers) -> Verdict:
     limited = _limited(upload.body_limit(settings.BATCH_FILE_MAX_BYTES), flavor)
     if not keys_ready():
         return limited
-    err = batches.refused_before_body(method, path, headers)
-    if err is None and method not in ("GET", "HEAD", "DELETE"):
-        try:
-            batches.who({"headers": headers}, flavor)
-        except RelayError as refused:
-            err = refused
+    err: RelayError | None = None
+    try:  # the key first, as the application checks it
+        batches.who({"headers": headers}, flavor)
+    except RelayError as refused:
+        err = refused
+    if err is None:
+        err = batches.refused_before_body(method, path, headers)
     if err is not None:
         return Verdict(refusal=error_response(err, flavor))
     return limited

@@ -11,7 +11,6 @@ from relay.server.cluster.proxy import (
     LEASE_HEADER,
     LIFETIME_HEADER,
 )
-from relay.server.http.early import CLOSE, body_left
 from relay.server.http.request import (
     ClientGone,
     before_body,
@@ -41,11 +40,9 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
     relay = rt.relay
     path = scope["path"]
     await rt.ready()  # providers and keys loaded (instant after the first request)
-    unread = True
     try:
         key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
         raw = await read_body(receive, rt.config.max_request_bytes)
-        unread = False
         try:
             body = raw.decode()
         except UnicodeDecodeError:
@@ -58,8 +55,6 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         return
     except RelayError as err:
         relay.record_rejection(err, "", path, False, None)
-        if unread and body_left(scope["headers"]):
-            cors = [*(cors or []), CLOSE]  # the body stays unread: no next request follows
         await send_error(send, err, flavor, cors)
         return
     if rt.placement is not None and not relay.knows(model):

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs
 
 from relay import __version__
 from relay.server import runtime
-from relay.server.http.early import CLOSE, body_left, envelope, unknown_path
+from relay.server.http.early import envelope, unknown_path
 from relay.server.http.request import header
 from relay.server.http.send import Scope, Send, send_error, send_json, send_simple
 from relay.server.metrics import CONTENT_TYPE
@@ -25,11 +25,9 @@ from relay.wire.errors import (
 
 
 async def unknown(scope: Scope, send: Send, path: str) -> None:
-    """Every path nothing serves: JSON in the envelope the client speaks, never HTML.
-    Its body is never read (the connection closes after the answer when one follows)."""
+    """Every path nothing serves: JSON in the envelope the client speaks, never HTML."""
     headers = scope["headers"]
-    err = unknown_path(path, headers, scope["method"])
-    await send_error(send, err, envelope(path, headers), [CLOSE] if body_left(headers) else None)
+    await send_error(send, unknown_path(path, headers, scope["method"]), envelope(path, headers))
 
 
 async def health(scope: Scope, send: Send) -> None:

@@ -26,7 +26,7 @@ from relay.core.limits import Ticket
 from relay.core.relay import Relay
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server import runtime
-from relay.server.http.early import CLOSE, body_left, old_api_head
+from relay.server.http.early import old_api_head
 from relay.server.http.request import ClientGone, host_allowed, read_body
 from relay.server.http.send import SECURITY_HEADERS, Receive, Scope, Send
 from relay.wire.errors import BadRequest, RelayError
@@ -89,7 +89,6 @@ class OldChatApp:
         key_id: int | None = None
         model = ""
         ticket: Ticket | None = None
-        unread = True
         try:
             # Refused on its headers: before the body is read, as the daphne shim
             # does before the body arrives (relay.server.http.early).
@@ -97,7 +96,6 @@ class OldChatApp:
                 raise BadRequest("Invalid Host header")
             key_id = old_api_head(method, headers)
             raw = await read_body(receive, rt.config.max_request_bytes)
-            unread = False
             old = oldapi.parse_request(raw)
             model = old.model
             if len(old.model) > rt.config.max_model_name_len:
@@ -110,7 +108,7 @@ class OldChatApp:
             return
         except RelayError as err:
             relay.record_rejection(err, model, self.path, True, key_id)
-            await _refuse(send, err, cors or [], unread and body_left(headers))
+            await _refuse(send, err, cors or [])
             return
         try:
             request = relay.submit(
@@ -131,7 +129,7 @@ class OldChatApp:
                 ticket.close()
             if not isinstance(exc, RelayError):
                 raise
-            await _refuse(send, exc, cors or [], False)  # already counted by the core
+            await _refuse(send, exc, cors or [])  # already counted by the core
             return
         logger.info(
             "old API request %s: model=%s conversation_id=%s user_id=%s",
@@ -143,13 +141,9 @@ class OldChatApp:
         await _relay(relay, request, receive, lines)
 
 
-async def _refuse(
-    send: Send, err: RelayError, extra: list[tuple[bytes, bytes]], close: bool
-) -> None:
+async def _refuse(send: Send, err: RelayError, extra: list[tuple[bytes, bytes]]) -> None:
     """Answer a request refused before it was queued: the error's status, one old line."""
     status, headers, body = oldapi.refusal(err)
-    if close:
-        headers.append(CLOSE)  # its body is left unread
     await send(
         {
             "type": "http.response.start",
