@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import socket
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from relay.core.routes import DEFAULT_ROUTES
 from relay.server.cluster.proxy import cluster_token
 from relay.wire import protocol
+from tests.conftest import require_service
 from tests.live import LiveServer
 from tests.rawworker import connect, expect, register
 
@@ -169,6 +171,38 @@ async def test_every_route_is_refused_before_its_body_when_it_will_be_refused_an
                 server, post_head(path, Transfer_Encoding="chunked", **key) + chunk * 3
             )
             assert status_of(response) == 413, (path, response[:300])
+
+
+@pytest.mark.redis
+async def test_only_the_cluster_token_lets_a_request_past_the_early_checks(relay_server_factory):
+    require_service("Redis", "127.0.0.1", 6379)
+    env = {
+        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}",
+        "MODELRELAY_SECRET_PEPPER": PEPPER,
+        "MODELRELAY_REQUIRE_API_KEYS": "true",
+        "MAX_REQUEST_BYTES": str(64 * 1024),
+    }
+    with relay_server_factory(**env) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            async with asyncio.timeout(10):  # keys loaded: a key check answers 401
+                while (await client.get("/v1/models")).status_code != 401:
+                    await asyncio.sleep(0.05)
+        for wrong in ("not-the-token", cluster_token("another pepper")):
+            got, _, _ = await refused(
+                server, post_head(Content_Length=HUGE, X_Modelrelay_Cluster=wrong)
+            )
+            assert got == 401
+        # The token: no key asked for, but the size limit still holds (past 64 KiB of
+        # the announced body, 413 and not 401: the key check was rightly skipped).
+        body = b" " * (65 * 1024)
+        head = post_head(Content_Length=HUGE, X_Modelrelay_Cluster=cluster_token(PEPPER))
+        response = await exchange(server, head + body)
+        assert status_of(response) == 413, response[:400]
+        assert b"larger than 65536 bytes" in response
+        # Nothing to finish: no graceful stop (its own test is elsewhere; the Redis
+        # state has a prefix of its own and expires).
+        server.kill()
 
 
 async def test_the_401_has_the_same_headers_whatever_the_method_and_body(relay_server_factory):
