@@ -11,9 +11,10 @@ Each change is a :class:`Patch` in a module of its own, named after what it give
 - ``backpressure``: a streamed body part's ``send`` waits while the client's
   connection is full, as under uvicorn;
 - ``refusals``: 431 for oversized headers, and a request that will be refused anyway
-  answered before its body is read (and a chunked body cut off at its limit);
-- ``uploads``: the same for file uploads (``POST /v1/files``): over the size limit or
-  without a valid key, answered before the body;
+  answered before its body is read (and a chunked body cut off at its limit), on every
+  route (:mod:`relay.server.http.early` decides);
+- ``uploads``: the same for the batch routes (a file upload over its size limit, any
+  body without a valid key);
 - ``directio``: socket writes and readiness callbacks without Twisted's extra loop turn
   and log context;
 - ``frames``: lean WebSocket frame handling (small frames unmasked in Python, no
