@@ -145,6 +145,9 @@ async def test_every_route_is_refused_before_its_body_when_it_will_be_refused_an
             ("/v1/models", {**key, "Content_Length": HUGE}, 405),
             ("/v1/no-such-route", {**key, "Content_Length": HUGE}, 404),
             ("/tokenize", {**key, "Content_Length": HUGE}, 404),
+            # A page Django serves: over DATA_UPLOAD_MAX_MEMORY_SIZE, Django would
+            # refuse it too, but only after reading all of it.
+            ("/django-admin/login/", {"Content_Length": HUGE}, 413),
         ]
         for path, headers, status in table:
             got, head, body = await refused(server, post_head(path, **headers))

@@ -85,6 +85,9 @@ class RelayHttpApp:
                 # Never Django's HTML page for a path nothing serves (llama-server's
                 # /tokenize, /props ...): JSON in the envelope the client speaks.
                 await info.unknown(scope, send, path)
+            elif (too_large := early.too_large_for_django(headers)) is not None:
+                # Django would read (and spool) all of it before refusing it.
+                await send_error(send, too_large, early.envelope(path, headers))
             else:
                 await self.fallback(scope, receive, send)
                 return

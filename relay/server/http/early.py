@@ -17,6 +17,9 @@ checked like any client's.
 A body of at most :data:`EARLY_BODY_BYTES` is read anyway (the application answers,
 the connection is kept); a larger or chunked one that is refused on its headers is
 never read, and its connection is closed after the answer (``Connection: close``).
+Routes that read no body (``/health``, ``/metrics``, ``/v1/models``) take at most
+:data:`EARLY_BODY_BYTES` of one, and Django's pages and APIs at most
+``DATA_UPLOAD_MAX_MEMORY_SIZE`` (Django refuses more, but only after reading it all).
 """
 
 from __future__ import annotations
@@ -105,8 +108,10 @@ def envelope(path: str, headers: Headers) -> Flavor:
 
 def django_serves(path: str) -> bool:
     """Django has a page or API for ``path`` (itself, or with the slash Django adds)."""
-    if path.startswith("/static/"):
-        return True  # WhiteNoise, ahead of the URL patterns
+    if path.startswith(("/static/", "/admin/")):
+        # WhiteNoise, ahead of the URL patterns; the admin JSON API, whose misses
+        # answer in its own JSON (relay.server.admin.errors).
+        return True
     for candidate in (path, path + "/"):
         try:
             resolve(candidate)
@@ -116,13 +121,16 @@ def django_serves(path: str) -> bool:
     return False
 
 
-def relay_serves(path: str) -> bool:
-    """A path the fast path answers other than the forwarded routes and ``/api/chat``."""
-    return (
-        path in ("/health", "/metrics", "/v1/models")
-        or path.startswith("/v1/models/")
-        or batches.serves(path)
-    )
+def too_large_for_django(headers: Headers) -> RelayError | None:
+    """A declared body over ``DATA_UPLOAD_MAX_MEMORY_SIZE`` for a page or API Django
+    serves: Django would refuse it, but only once it had read (and spooled) it all."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    for name, value in headers:
+        if name == b"content-length" and limit is not None:
+            if value.isdigit() and int(value) > limit:
+                return PayloadTooLarge(f"Request body is larger than {limit} bytes")
+            return None
+    return None
 
 
 def check(method: str, path: str, headers: Headers) -> Verdict:
@@ -148,18 +156,22 @@ def check(method: str, path: str, headers: Headers) -> Verdict:
         return _old_api(method, headers)
     if batches.serves(path):
         return _batches(method, path, headers)
-    if path == "/v1/models" or path.startswith("/v1/models/"):
-        if method in ("GET", "HEAD"):
-            return PASS
-        err: RelayError = MethodNotAllowed("Use GET for /v1/models", allow="GET, HEAD")
+    models = path == "/v1/models" or path.startswith("/v1/models/")
+    if models and method not in ("GET", "HEAD"):
         anthropic = any(name == b"anthropic-version" for name, _ in headers)
-        return Verdict(refusal=error_response(err, "anthropic" if anthropic else "openai"))
-    if path in ("/health", "/metrics"):
-        return PASS
+        wrong = MethodNotAllowed("Use GET for /v1/models", allow="GET, HEAD")
+        return Verdict(refusal=error_response(wrong, "anthropic" if anthropic else "openai"))
+    if models or path in ("/health", "/metrics"):
+        # They read no body: whatever one is sent is cut off early.
+        return _limited(EARLY_BODY_BYTES, "openai")
+    flavor = envelope(path, headers)
     if path.startswith("/v1/") or not django_serves(path):
-        err = unknown_path(path, headers, method)
-        return Verdict(refusal=error_response(err, envelope(path, headers)))
-    return PASS
+        return Verdict(refusal=error_response(unknown_path(path, headers, method), flavor))
+    err = too_large_for_django(headers)
+    if err is not None:
+        return Verdict(refusal=error_response(err, flavor))
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return PASS if limit is None else _limited(limit, flavor)
 
 
 def keys_ready() -> bool:
