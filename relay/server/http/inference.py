@@ -3,6 +3,8 @@ another server process placed on one of this process's workers (cluster mode).""
 
 from __future__ import annotations
 
+import math
+
 from relay.core import classes
 from relay.server import runtime
 from relay.server.cluster.proxy import (
@@ -120,7 +122,10 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
             body=raw.decode(),
             headers=forwarded_request_headers(scope["headers"]),
             key_id=key_id,
-            lifetime=min(lifetime, rt.config.request_timeout),
+            # NaN and infinities never reach a deadline (min() keeps a leading NaN).
+            lifetime=min(lifetime, rt.config.request_timeout)
+            if math.isfinite(lifetime)
+            else rt.config.request_timeout,
             service_class=service_class if service_class in classes.RANK else classes.DEFAULT,
             preemptions=int(preempted) if preempted.isdigit() and len(preempted) < 6 else 0,
         )
