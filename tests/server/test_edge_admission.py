@@ -312,3 +312,22 @@ async def test_a_pong_the_reference_allows_keeps_the_worker_and_one_it_does_not_
         # Past a u64: what the reference could never have sent.
         await worker.send({"type": "pong", "current_load": 0, "timestamp_unix_ms": 2**64})
         assert (await worker.wait_closed())[0] == 1002
+
+
+async def test_a_chunked_body_for_a_django_page_is_cut_off_at_djangos_limit(
+    fresh_runtime, settings
+):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 256 * 1024
+    await make_provider()
+    form = b"application/x-www-form-urlencoded"
+    chunked = [(b"transfer-encoding", b"chunked")]
+    call = HttpCall(
+        "POST", "/django-admin/login/", b"a=" + b"x" * (600 * 1024), chunked, content_type=form
+    )
+    status, headers, body = await (await call.send(split=64 * 1024)).response()
+    assert status == 413 and headers["connection"] == "close"
+    assert json.loads(body)["error"]["message"] == "Request body is larger than 262144 bytes"
+    # Under the limit Django answers as ever (here: no CSRF token).
+    small = HttpCall("POST", "/django-admin/login/", b"a=b", chunked, content_type=form)
+    status, headers, _ = await (await small.send()).response()
+    assert status == 403 and "connection" not in headers

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from django.conf import settings
+
 from relay.server import runtime
 from relay.server.batches import api as batches
 from relay.server.http import early, info
@@ -22,7 +24,7 @@ from relay.server.http.request import (
     route_table,
 )
 from relay.server.http.send import ASGIApp, Receive, Scope, Send, send_error
-from relay.wire.errors import BadRequest, HeadersTooLarge, RelayError
+from relay.wire.errors import BadRequest, HeadersTooLarge, PayloadTooLarge, RelayError
 
 logger = logging.getLogger("relay.http")
 
@@ -88,6 +90,9 @@ class RelayHttpApp:
             elif (too_large := early.too_large_for_django(headers)) is not None:
                 # Django would read (and spool) all of it before refusing it.
                 await send_error(send, too_large, early.envelope(path, headers))
+            elif early.body_left(headers):
+                await self._capped_fallback(scope, receive, send)
+                return
             else:
                 await self.fallback(scope, receive, send)
                 return
@@ -100,6 +105,40 @@ class RelayHttpApp:
                 await send_error(send, RelayError(), flavor or fallback)
             except Exception:
                 pass  # the response had already started: the server ends it
+
+    async def _capped_fallback(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Django for a request whose body may be large (chunked, or declared under the
+        cap): past ``DATA_UPLOAD_MAX_MEMORY_SIZE`` Django is told the client left (it
+        would have read and spooled all of it, only to refuse it) and the client gets
+        a 413 — what the daphne shim answers at the same point."""
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if limit is None:
+            await self.fallback(scope, receive, send)
+            return
+        received = 0
+        over = started = False
+
+        async def capped() -> dict[str, Any]:
+            nonlocal received, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def watched(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.fallback(scope, capped, watched)
+        if over and not started:
+            err = PayloadTooLarge(f"Request body is larger than {limit} bytes")
+            await send_error(send, err, early.envelope(scope["path"], scope["headers"]))
 
 
 def _closing(receive: Receive, send: Send) -> tuple[Receive, Send]:
