@@ -69,7 +69,6 @@ MAX_TIMESTAMP_MS = 10**15
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 
-NonNegative = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 #: msgspec bounds only what fits an int64: the upper end is checked in ``__post_init__``.
 U64 = Annotated[int, msgspec.Meta(ge=0)]
@@ -149,18 +148,29 @@ ServerMessage = (
 
 
 class Register(msgspec.Struct, tag="register", tag_field="type"):
+    """``max_concurrent`` and ``current_load`` take what the reference's u32 holds,
+    clamped to :data:`MAX_COUNT` (the server may sanitize what a worker declares)."""
+
     worker_name: ShortText
     models: list[str] = []
-    max_concurrent: Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)] = 1
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1, le=U32_MAX)] = 1
     protocol_version: ShortText | None = None
-    current_load: NonNegative = 0
+    current_load: U32 = 0
     #: Optional extensions this worker supports (see the module docstring).
     features: Annotated[list[ShortText], msgspec.Meta(max_length=64)] = []
+
+    def __post_init__(self) -> None:
+        self.max_concurrent = min(self.max_concurrent, MAX_COUNT)
+        self.current_load = min(self.current_load, MAX_COUNT)
 
 
 class ModelsUpdate(msgspec.Struct, tag="models_update", tag_field="type"):
     models: list[str]
-    current_load: NonNegative | None = None
+    current_load: U32 | None = None
+
+    def __post_init__(self) -> None:
+        if self.current_load is not None:
+            self.current_load = min(self.current_load, MAX_COUNT)
 
 
 class ResponseChunk(msgspec.Struct, tag="response_chunk", tag_field="type"):

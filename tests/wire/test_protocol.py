@@ -129,3 +129,37 @@ def test_a_pong_takes_whatever_the_reference_types_hold_and_clamps_it(load, time
 def test_a_pong_beyond_the_reference_types_is_a_protocol_error(fields):
     with pytest.raises(ProtocolError):
         protocol.decode_worker_message('{"type":"pong",' + fields + "}")
+
+
+@pytest.mark.parametrize("load", [2**31, U32_MAX])
+def test_a_register_and_a_models_update_take_u32_loads_and_clamp_them(load):
+    register = protocol.decode_worker_message(
+        '{"type":"register","worker_name":"w","models":["m"],'
+        f'"max_concurrent":{U32_MAX},"current_load":{load}}}'
+    )
+    assert isinstance(register, protocol.Register)
+    assert (register.max_concurrent, register.current_load) == (
+        protocol.MAX_COUNT,
+        protocol.MAX_COUNT,
+    )
+    update = protocol.decode_worker_message(
+        f'{{"type":"models_update","models":["m"],"current_load":{load}}}'
+    )
+    assert isinstance(update, protocol.ModelsUpdate)
+    assert update.current_load == protocol.MAX_COUNT
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        f'"current_load":{U32_MAX + 1}',
+        '"current_load":-1',
+        f'"max_concurrent":{U32_MAX + 1}',
+        '"max_concurrent":0',
+    ],
+)
+def test_a_register_beyond_the_reference_types_is_a_protocol_error(fields):
+    with pytest.raises(ProtocolError):
+        protocol.decode_worker_message(
+            '{"type":"register","worker_name":"w","models":["m"],' + fields + "}"
+        )
