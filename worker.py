@@ -62,6 +62,7 @@ from websockets.exceptions import InvalidHandshake
 
 from relay import __version__
 from relay.wire.errors import describe
+from relay.wire.logrecord import formatter
 from relay.wire.protocol import ModelsUpdate
 from relay.worker.backend import Backend, BackendNotReady
 from relay.worker.config import Config, parse_config
@@ -283,12 +284,11 @@ class Worker:
             await session.send(ModelsUpdate(models=self.advertised(), current_load=session.load))
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def configure_logging(level: str, kind: str = "text") -> None:
+    """Every line to stderr, as text or (``LOG_FORMAT=json``) one JSON object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(kind, "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     # Frame-by-frame and per-request lines from the libraries drown the worker's own.
     logging.getLogger("websockets").setLevel(max(logging.INFO, log.getEffectiveLevel()))
     logging.getLogger("asyncio").setLevel(logging.INFO)
@@ -324,7 +324,7 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     factory = event_loop_factory()
     log.debug("event loop: %s", "uvloop" if factory is not None else "asyncio")
     with asyncio.Runner(loop_factory=factory) as runner:

@@ -268,7 +268,13 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
                 headers=request.headers,
             )
         )
-        logger.debug("request dispatched: %s -> %s (%s)", request.id, worker.name, worker.id)
+        logger.debug(
+            "request dispatched: %s -> %s (%s)",
+            request.id,
+            worker.name,
+            worker.id,
+            extra={"request_id": request.id},
+        )
         self._arm(request, request.deadline)
 
     def _abandon(self, request: RelayRequest, reason: CancelReason) -> None:
@@ -279,7 +285,10 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         worker.in_flight.pop(request.id, None)
         request.worker = None
         if worker.attached:
-            if reason not in protocol.BASE_CANCEL_REASONS and not worker.features:
+            if (
+                reason not in protocol.BASE_CANCEL_REASONS
+                and protocol.FLOW_CONTROL not in worker.features
+            ):
                 reason = "client_disconnect"  # the nearest reason every worker knows
             worker.link.send(protocol.Cancel(request_id=request.id, reason=reason))
             self.stats.cancels[reason] += 1
@@ -297,12 +306,22 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
             if state is not None:
                 state.queue.remove(request)
             if request.queue_deadline < request.deadline:
-                logger.info("queue timeout: %s model=%s", request.id, request.model)
+                logger.info(
+                    "queue timeout: %s model=%s",
+                    request.id,
+                    request.model,
+                    extra={"request_id": request.id},
+                )
                 self._finish(request, QueueTimeout())
             else:
                 self._finish(request, RequestTimeout())
         elif request.phase is Phase.ASSIGNED:
-            logger.info("request timeout: %s on %s", request.id, request.worker_name)
+            logger.info(
+                "request timeout: %s on %s",
+                request.id,
+                request.worker_name,
+                extra={"request_id": request.id},
+            )
             self._abandon(request, "timeout")
             self._finish(request, RequestTimeout())
 

@@ -100,6 +100,7 @@ class Preemption:
             victim.preemptions,
             worker.name,
             f" for {why}" if why else "",
+            extra={"request_id": victim.id},
         )
         # The freed slot goes to the highest class waiting (the winner, or an older one).
         self._abandon(victim, "preempted")

@@ -160,7 +160,12 @@ class Relay(Dispatcher):
         size = len(data)
         request.streamed_bytes += size
         if request.streamed_bytes > self.config.max_stream_bytes:
-            logger.warning("stream ceiling reached: %s on %s", request.id, worker.name)
+            logger.warning(
+                "stream ceiling reached: %s on %s",
+                request.id,
+                worker.name,
+                extra={"request_id": request.id},
+            )
             self._abandon(request, "stream_limit")
             self._finish(request, StreamTooLarge())
             return
@@ -317,12 +322,23 @@ class Relay(Dispatcher):
         if request is None:
             return
         request.worker = None
-        logger.info("%s lost on %s: placing it again", request.id, worker.name)
+        logger.info(
+            "%s lost on %s: placing it again",
+            request.id,
+            worker.name,
+            extra={"request_id": request.id},
+        )
         self._requeue(request, spend=spend)
 
     def _stray(self, worker: Worker, kind: str, request_id: str) -> None:
         self.stats.dropped_frames += 1
-        logger.info("dropped %s for %s from %s: not in flight there", kind, request_id, worker.name)
+        logger.info(
+            "dropped %s for %s from %s: not in flight there",
+            kind,
+            request_id,
+            worker.name,
+            extra={"request_id": request_id},
+        )
 
     # ------------------------------------------------------------------ operations
 

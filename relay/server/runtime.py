@@ -35,6 +35,7 @@ from relay.server.cluster.limits import RedisLimitStore
 from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
 from relay.server.cors import CorsPolicy
+from relay.server.federation import Federation
 from relay.server.metrics import RelayMetrics
 from relay.wire.errors import Flavor
 
@@ -121,6 +122,10 @@ class Runtime:
                 self._charge_placed,
                 self.batches.observe,
             ]
+        )
+        #: The latest metrics sample of each worker connected here (SPEC §17).
+        self.federation = Federation(
+            settings.WORKER_METRICS_MAX_BYTES, settings.WORKER_METRICS_MAX_SERIES
         )
         self.sockets = 0
         self._sockets_gone = asyncio.Event()

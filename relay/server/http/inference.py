@@ -24,6 +24,7 @@ from relay.server.http.request import (
 )
 from relay.server.http.respond import respond
 from relay.server.http.send import Receive, Scope, Send, send_error, send_simple
+from relay.wire import logrecord
 from relay.wire.errors import BadRequest, Flavor, RelayError, WorkerUnavailable
 from relay.wire.headers import forwarded_request_headers
 
@@ -89,6 +90,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             ticket.close()
         await send_error(send, err, flavor, cors)
         return
+    logrecord.request_id.set(request.id)  # every line this task logs names it
     await respond(relay, request, receive, send, cors or [])
 
 
@@ -139,4 +141,5 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         await send_error(send, err, flavor)
         return
     placement.extend(worker_id, lease, request)
+    logrecord.request_id.set(request.id)
     await respond(relay, request, receive, send, [])
