@@ -67,6 +67,7 @@ from relay.wire.protocol import ModelsUpdate
 from relay.worker.backend import Backend, BackendNotReady
 from relay.worker.config import Config, parse_config
 from relay.worker.session import Session
+from relay.worker.tracing import from_environment as tracing_from_environment
 
 log = logging.getLogger("modelrelay.worker")
 
@@ -110,6 +111,8 @@ class Worker:
         self._runner: asyncio.Task[None] | None = None
         self._stop_requested = False
         self._discovery = asyncio.Lock()
+        #: Spans around backend calls when OTEL_* turns tracing on (SPEC §17).
+        self.tracing = tracing_from_environment()
 
     @property
     def backend(self) -> Backend:
@@ -121,15 +124,19 @@ class Worker:
 
     async def run(self) -> int:
         """Serve until stopped; returns the process exit code (0 after a drain)."""
-        async with Backend(self.config) as backend:
-            self._backend = backend
-            self._runner = asyncio.create_task(self._serve_forever(), name="worker")
-            try:
-                await self._runner
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # run() itself was cancelled, not just stopped
+        try:
+            async with Backend(self.config) as backend:
+                self._backend = backend
+                self._runner = asyncio.create_task(self._serve_forever(), name="worker")
+                try:
+                    await self._runner
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # run() itself was cancelled, not just stopped
+        finally:
+            if self.tracing is not None:  # export the spans still buffered
+                await asyncio.to_thread(self.tracing.shutdown)
         return self.exit_code
 
     def request_stop(self) -> None:

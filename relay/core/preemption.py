@@ -85,6 +85,8 @@ class Preemption:
         return best
 
     def _preempt(self, victim: RelayRequest, winner: RelayRequest | None = None) -> None:
+        if winner is not None:
+            winner.why = f"preemption of {victim.id} ({victim.service_class})"
         self.preempt(victim, f"{winner.id} ({winner.service_class})" if winner else "")
 
     def preempt(self, victim: RelayRequest, why: str = "") -> None:

@@ -46,6 +46,7 @@ from relay.worker import sampler
 from relay.worker.backend import Backend, Valve
 from relay.worker.config import Config
 from relay.worker.outbox import Outbox, encode
+from relay.worker.tracing import WorkerTracing
 from relay.worker.usage import format_counts
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
@@ -91,6 +92,11 @@ class Owner(Protocol):
 
     @property
     def backend(self) -> Backend: ...
+
+    @property
+    def tracing(self) -> WorkerTracing | None:
+        """Traces of backend calls (SPEC §17); None while tracing is off."""
+        ...
 
     def advertised(self) -> list[str]:
         """The models to register with: none while draining."""
@@ -379,6 +385,9 @@ class Session:
             request.is_streaming,
         )
         backend = self.worker.backend
+        tracing = self.worker.tracing
+        span = None if tracing is None else tracing.start(request)
+        complete = None
         try:
             complete = await backend.exchange(request, self.outbox, valve)
             frame = encode(complete)
@@ -398,3 +407,6 @@ class Session:
             raise
         except ConnectionClosed:
             pass  # the session is ending; the relay handles this request's fate
+        finally:
+            if span is not None and tracing is not None:
+                tracing.end(span, complete)

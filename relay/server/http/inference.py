@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 
 from relay.core import classes
+from relay.core.keystats import key_name
 from relay.server import runtime
 from relay.server.cluster.proxy import (
     CLASS_HEADER,
@@ -44,6 +45,12 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         return
     relay = rt.relay
     path = scope["path"]
+    tracing = rt.tracing
+    trace = (
+        None
+        if tracing is None
+        else tracing.begin(scope["headers"], method, path, relay.loop.time())
+    )
     await rt.ready()  # providers and keys loaded (instant after the first request)
     try:
         key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
@@ -57,9 +64,13 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
         wanted = classes.asked(header(scope, b"x-priority"), tier)
     except ClientGone:
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, 499, "cancelled")
         return
     except RelayError as err:
         relay.record_rejection(err, "", path, False, None)
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, err.status, err.outcome)
         await send_error(send, err, flavor, cors)
         return
     if rt.placement is not None and not relay.knows(model):
@@ -71,6 +82,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             ticket = await rt.admit(key_id, model)
         except RelayError as err:
             relay.record_rejection(err, model, path, stream, key_id)
+            if trace is not None and tracing is not None:
+                tracing.rejected(trace, err.status, err.outcome, model)
             await send_error(send, err, flavor, cors)
             return
     try:
@@ -84,12 +97,17 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             key_id=key_id,
             ticket=ticket,
             service_class=rt.service_class(key_id, wanted),
+            trace=trace,
         )
     except RelayError as err:  # already counted by the core
         if ticket is not None:
             ticket.close()
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, err.status, err.outcome, model)
         await send_error(send, err, flavor, cors)
         return
+    if trace is not None and tracing is not None:
+        tracing.admitted(trace, request, None if key_id is None else key_name(rt.keys, key_id))
     logrecord.request_id.set(request.id)  # every line this task logs names it
     await respond(relay, request, receive, send, cors or [])
 
@@ -106,6 +124,10 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         return
     relay = rt.relay
     path = scope["path"]
+    tracing = rt.tracing
+    trace = None
+    if tracing is not None:  # continues the trace of the process the client reached
+        trace = tracing.begin(scope["headers"], "placed", path, relay.loop.time())
     worker_id, _, lease = (header(scope, LEASE_HEADER_B) or b"").decode().partition(" ")
     try:
         lifetime = float(header(scope, LIFETIME_HEADER_B) or b"0")
@@ -127,9 +149,12 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
             lifetime=min(lifetime, rt.config.request_timeout),
             service_class=service_class if service_class in classes.RANK else classes.DEFAULT,
             preemptions=int(preempted) if preempted.isdigit() and len(preempted) < 6 else 0,
+            trace=trace,
         )
     except ClientGone:
         placement.release(worker_id, lease)
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, 499, "cancelled")
         return
     except (RelayError, ValueError, UnicodeDecodeError) as exc:
         worker = relay.registry.workers.get(worker_id)
@@ -138,8 +163,12 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         else:
             placement.release(worker_id, lease)
         err = exc if isinstance(exc, RelayError) else BadRequest("Malformed internal request")
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, err.status, err.outcome)
         await send_error(send, err, flavor)
         return
+    if trace is not None and tracing is not None:
+        tracing.admitted(trace, request, None)
     placement.extend(worker_id, lease, request)
     logrecord.request_id.set(request.id)
     await respond(relay, request, receive, send, [])
