@@ -116,8 +116,7 @@ class Tracing:
     def rejected(self, trace: RequestTrace, status: int, outcome: str, model: str = "") -> None:
         """The relay refused the request before admitting it (or the client left)."""
         now = time.time_ns()
-        admission = self._span("admission", trace, trace.root.start_time, now)
-        admission.set_status(self._error)
+        self._span("admission", trace, trace.root.start_time, now, error=True)
         root = trace.root
         if model:
             root.set_attribute("gen_ai.request.model", model)
@@ -160,8 +159,13 @@ class Tracing:
             trace.dispatch.set_status(self._error)
             trace.dispatch.end(at)
         if request.enqueued_at is not None:
-            waited = self._span("queue wait", trace, trace.wall(request.enqueued_at), at)
-            waited.set_attribute("relay.service_class", request.service_class)
+            self._span(
+                "queue wait",
+                trace,
+                trace.wall(request.enqueued_at),
+                at,
+                {"relay.service_class": request.service_class},
+            )
         why = request.why or self._why(request, worker)
         request.why = ""
         span = self.tracer.start_span(
@@ -216,10 +220,13 @@ class Tracing:
             if first is not None:
                 first_ns = trace.wall(first)
                 self._span("first byte", trace, started, first_ns)
-                done = self._span("completion", trace, first_ns, end)
-                done.set_attribute("http.response.status_code", request.status or 0)
-                for name, value in tokens.items():
-                    done.set_attribute(name, value)
+                self._span(
+                    "completion",
+                    trace,
+                    first_ns,
+                    end,
+                    {"http.response.status_code": request.status or 0, **tokens},
+                )
             dispatch.set_attribute("relay.dispatch.outcome", request.outcome or "")
             dispatch.end(end)
             trace.dispatch = None
@@ -234,10 +241,22 @@ class Tracing:
             root.set_status(self._error)
         root.end(end)
 
-    def _span(self, name: str, trace: RequestTrace, start: int, end: int) -> Any:
-        span = self.tracer.start_span(name, context=trace.context, start_time=start)
+    def _span(
+        self,
+        name: str,
+        trace: RequestTrace,
+        start: int,
+        end: int,
+        attributes: dict[str, Any] | None = None,
+        error: bool = False,
+    ) -> None:
+        """A span already over: all it says is given here (an ended span takes nothing)."""
+        span = self.tracer.start_span(
+            name, context=trace.context, start_time=start, attributes=attributes
+        )
+        if error:
+            span.set_status(self._error)
         span.end(max(start, end))
-        return span
 
     def _failed(self) -> None:
         self._failures += 1

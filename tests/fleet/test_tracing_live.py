@@ -93,7 +93,11 @@ def test_one_trace_per_request_from_the_clients_context_through_queue_worker_and
         [span] = trace[name]
         assert span.parent_id == root.span_id, name
         assert root.start <= span.start <= span.end <= root.end, name
+    [completion] = trace["completion"]
+    assert completion.attributes["http.response.status_code"] == 200
+    assert completion.attributes["gen_ai.usage.output_tokens"] == up.upstream.tokens
     [queue], [dispatch] = trace["queue wait"], trace["dispatch"]
+    assert queue.attributes["relay.service_class"] == "default"
     assert queue.end - queue.start > 0
     assert dispatch.attributes["relay.worker.name"] == "e2e-box"
     assert (
