@@ -153,7 +153,7 @@ class Command(BaseCommand):
                     "name": logger.name,
                     "levelno": logging.INFO,
                     "levelname": "INFO",
-                    "msg": lines[0] + " " + lines[1].lower(),
+                    "msg": f"{lines[0]}: {lines[1]}",
                     "version": __version__,
                     "server": server,
                     "listen": f"{host}:{port}",
