@@ -38,6 +38,9 @@ from relay.wire.protocol import MetricsRejected, MetricsSample
 
 #: Labels the relay adds to every federated series.
 ADDED_LABELS = ("worker", "worker_id", "provider")
+#: A worker's samples closer together than this are dropped unread: a worker sending in
+#: a loop costs the relay no more than one sending every second.
+MIN_SAMPLE_INTERVAL_SECS = 1.0
 
 
 @dataclass(slots=True)
@@ -107,6 +110,11 @@ class Federation:
     ) -> MetricsRejected | None:
         """Keep ``message`` as the worker's latest sample; the answer to send when it is
         refused instead (over a bound). Cheap: called on the worker's socket path."""
+        now = self.clock()
+        last = self.samples.get(worker_id)
+        if last is not None and now - last.received < MIN_SAMPLE_INTERVAL_SECS:
+            self.rejected += 1
+            return None
         text = message.text
         size = len(text.encode()) if len(text) * 4 > self.max_bytes else len(text)
         reason = None
@@ -125,7 +133,7 @@ class Federation:
             provider=provider,
             text=text,
             series=series,
-            received=self.clock(),
+            received=now,
             backend_up=message.backend_up,
             interval=message.interval_secs,
         )

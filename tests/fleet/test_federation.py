@@ -18,8 +18,17 @@ def parsed(body: bytes) -> dict[str, list[tuple[dict[str, str], float]]]:
     return found
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        self.now += 5  # samples five seconds apart
+        return self.now
+
+
 def federation(max_bytes: int = 1 << 20, max_series: int = 1000) -> Federation:
-    return Federation(max_bytes, max_series, clock=lambda: 100.0)
+    return Federation(max_bytes, max_series, clock=Clock())
 
 
 def test_it_counts_sample_lines_not_comments_or_blanks() -> None:
@@ -103,3 +112,18 @@ async def test_a_family_typed_differently_by_another_worker_is_left_out_and_coun
     series = parsed((await fed.render())[0])
     assert [s["worker"] for s, _ in series["depth"]] == ["a"]
     assert series["modelrelay_worker_metrics_type_conflicts_total"][0][1] == 1
+
+
+def test_samples_sent_faster_than_one_a_second_are_dropped_unread() -> None:
+    now = [100.0]
+    fed = Federation(1 << 20, 1000, clock=lambda: now[0])
+    fed.receive("w-1", "box", "local", MetricsSample(text="q 1\n"))
+    now[0] += 0.5
+    assert fed.receive("w-1", "box", "local", MetricsSample(text="q 2\n")) is None
+    assert fed.samples["w-1"].text == "q 1\n" and fed.rejected == 1
+    now[0] += 0.6
+    fed.receive("w-1", "box", "local", MetricsSample(text="q 3\n"))
+    assert fed.samples["w-1"].text == "q 3\n"
+    # Another worker is not held back by the first one's pace.
+    fed.receive("w-2", "other", "local", MetricsSample(text="q 4\n"))
+    assert fed.samples["w-2"].text == "q 4\n"
