@@ -51,7 +51,11 @@ def fleet(res: dict[str, Any]) -> list[str]:
                     "first scrape (parses every sample)",
                     f"{f['first_scrape_ms']:.0f} ms ({f['first_scrape_cpu_ms']:.0f} ms CPU)",
                 ],
-                ["scrape after every worker sent a new sample", f"{f['steady_scrape_ms']:.0f} ms"],
+                [
+                    "scrape after every worker sent a new sample",
+                    f"{f['steady_scrape_ms']:.0f} ms ({f['steady_scrape_cpu_ms']:.0f} ms CPU); "
+                    f"the event loop late by up to {f['loop_lag_max_ms']:.0f} ms meanwhile",
+                ],
                 ["scrape with nothing new (render only)", f"{f['cached_scrape_ms']:.0f} ms"],
                 [
                     "exposition",
