@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from relay.wire.protocol import MetricsSample
+from relay.wire.protocol import MetricsRejected, MetricsSample
 from relay.worker.config import Config
 
 log = logging.getLogger("modelrelay.worker")
@@ -262,14 +262,36 @@ class Sampler:
         return MetricsSample(text=text, backend_up=backend is not None, interval_secs=self.interval)
 
 
-async def run(
-    config: Config, send: Callable[[MetricsSample], Awaitable[None]], load: Callable[[], int]
-) -> None:
-    """Send a sample now and every ``--backend-metrics-secs`` until cancelled (the
-    session runs this once the relay accepted the ``metrics`` extension)."""
-    assert config.backend_metrics_url is not None
-    interval = config.backend_metrics_secs
-    async with Sampler(config.backend_metrics_url, interval, config.backend_metrics_timeout) as s:
-        while True:
-            await send(await s.sample(load()))
-            await asyncio.sleep(interval)
+class Federating:
+    """One connection's side of the ``metrics`` extension (the session owns one)."""
+
+    def __init__(self) -> None:
+        self.refused = False
+
+    async def run(
+        self,
+        config: Config,
+        send: Callable[[MetricsSample], Awaitable[None]],
+        load: Callable[[], int],
+    ) -> None:
+        """Send a sample now and every ``--backend-metrics-secs`` until cancelled (once
+        the relay accepted the extension)."""
+        assert config.backend_metrics_url is not None
+        interval = config.backend_metrics_secs
+        url, timeout = config.backend_metrics_url, config.backend_metrics_timeout
+        async with Sampler(url, interval, timeout) as sampler:
+            while True:
+                await send(await sampler.sample(load()))
+                await asyncio.sleep(interval)
+
+    def rejected(self, message: MetricsRejected) -> None:
+        """The relay dropped a sample: said once per connection (the next samples are
+        most likely the same size)."""
+        refused, self.refused = self.refused, True
+        log.log(
+            logging.DEBUG if refused else logging.WARNING,
+            "the proxy dropped this worker's metrics: %s (its bounds: %d bytes, %d series)",
+            message.reason,
+            message.max_bytes,
+            message.max_series,
+        )

@@ -128,8 +128,8 @@ class Session:
         #: Event-loop time of the last frame received from the server.
         self.last_heard = asyncio.get_running_loop().time()
         self._watchdog: asyncio.Task[None] | None = None
-        #: True once the relay dropped a metrics sample (warned about once).
-        self.metrics_refused = False
+        #: This connection's side of the ``metrics`` extension.
+        self.metrics = sampler.Federating()
         #: Every frame to the relay goes through it, in order.
         self.outbox = Outbox(ws, self.spawn)
 
@@ -207,15 +207,7 @@ class Session:
             case RegisterAck():
                 self.on_ack(message)
             case MetricsRejected():
-                # Once per connection: the next samples are most likely the same size.
-                refused, self.metrics_refused = self.metrics_refused, True
-                log.log(
-                    logging.DEBUG if refused else logging.WARNING,
-                    "the proxy dropped this worker's metrics: %s (its bounds: %d bytes, %d series)",
-                    message.reason,
-                    message.max_bytes,
-                    message.max_series,
-                )
+                self.metrics.rejected(message)
             case ModelsRefresh():
                 self.spawn(self.worker.refresh_models(self, always=True))
             case GracefulShutdown():
@@ -263,7 +255,7 @@ class Session:
             self.spawn(self._refresh_periodically(), name="model refresh")
         if METRICS in self.accepted:
             self.spawn(
-                sampler.run(self.worker.config, self.send, lambda: self.load), name="metrics"
+                self.metrics.run(self.worker.config, self.send, lambda: self.load), name="metrics"
             )
 
     async def on_request(self, request: Request) -> None:
