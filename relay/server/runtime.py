@@ -390,6 +390,7 @@ class Runtime:
             except asyncio.CancelledError:
                 pass
         self._tasks.clear()
+        self.federation.close()
         await self.relay.aclose()
 
 

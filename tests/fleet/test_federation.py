@@ -28,7 +28,7 @@ class Clock:
 
 
 def federation(max_bytes: int = 1 << 20, max_series: int = 1000) -> Federation:
-    return Federation(max_bytes, max_series, clock=Clock())
+    return Federation(max_bytes, max_series, clock=Clock(), in_process=True)
 
 
 def test_it_counts_sample_lines_not_comments_or_blanks() -> None:
@@ -111,12 +111,12 @@ async def test_a_family_typed_differently_by_another_worker_is_left_out_and_coun
     fed.receive("w-2", "b", "local", MetricsSample(text="# TYPE depth counter\ndepth_total 1\n"))
     series = parsed((await fed.render())[0])
     assert [s["worker"] for s, _ in series["depth"]] == ["a"]
-    assert series["modelrelay_worker_metrics_type_conflicts_total"][0][1] == 1
+    assert series["modelrelay_worker_metrics_type_conflicts"][0][1] == 1
 
 
 def test_samples_sent_faster_than_one_a_second_are_dropped_unread() -> None:
     now = [100.0]
-    fed = Federation(1 << 20, 1000, clock=lambda: now[0])
+    fed = Federation(1 << 20, 1000, clock=lambda: now[0], in_process=True)
     fed.receive("w-1", "box", "local", MetricsSample(text="q 1\n"))
     now[0] += 0.5
     assert fed.receive("w-1", "box", "local", MetricsSample(text="q 2\n")) is None
@@ -127,3 +127,30 @@ def test_samples_sent_faster_than_one_a_second_are_dropped_unread() -> None:
     # Another worker is not held back by the first one's pace.
     fed.receive("w-2", "other", "local", MetricsSample(text="q 4\n"))
     assert fed.samples["w-2"].text == "q 4\n"
+
+
+async def test_a_worker_family_named_like_the_relays_own_is_left_out() -> None:
+    fed = federation()
+    fed.receive("w-1", "box", "local", MetricsSample(text="modelrelay_worker_metrics_series 7\n"))
+    series = parsed((await fed.render())[0])  # one valid exposition, no duplicate family
+    assert [v for _, v in series["modelrelay_worker_metrics_series"]] == [1]
+
+
+async def test_the_rendering_process_renders_what_the_thread_does() -> None:
+    fed = Federation(1 << 20, 1000, clock=Clock())
+    try:
+        fed.receive("w-1", "box", "local", MetricsSample(text=LLAMA_SERVER))
+        fed.receive("w-2", "bad", "local", MetricsSample(text='broken{x="} 1\n'))
+        body, refusals = await fed.render()
+        assert fed._executor is not None  # it really ran in another process
+        again, _ = await fed.render()  # from that process's cache
+    finally:
+        fed.close()
+    assert [w for w, _ in refusals] == ["w-2"]
+    assert parsed(body)["llamacpp:kv_cache_usage_ratio"] == [
+        ({"worker": "box", "worker_id": "w-1", "provider": "local"}, 0.25)
+    ]
+    assert (
+        parsed(again)["llamacpp:kv_cache_usage_ratio"]
+        == parsed(body)["llamacpp:kv_cache_usage_ratio"]
+    )
