@@ -279,12 +279,19 @@ class _Collector(Collector):
             "1 when the worker's backend answered its last metrics read.",
             labels=labels,
         )
+        interval = GaugeMetricFamily(
+            OWN_PREFIX + "interval_seconds",
+            "How often the worker says it sends a sample (BACKEND_METRICS_SECS).",
+            labels=labels,
+        )
         for sample in sorted(self.current, key=lambda s: (s.provider, s.worker, s.worker_id)):
             key = [sample.worker, sample.worker_id, sample.provider]
             age.add_metric(key, max(0.0, self.now - sample.received))
             series.add_metric(key, 0 if sample.error is not None else sample.series)
             up.add_metric(key, 1 if sample.backend_up else 0)
-        yield from (age, series, up)
+            if sample.interval is not None:
+                interval.add_metric(key, sample.interval)
+        yield from (age, series, up, interval)
         yield CounterMetricFamily(
             OWN_PREFIX + "rejected",
             "Worker metrics samples dropped: over the bounds, too frequent, or not parseable.",

@@ -281,7 +281,12 @@ class Federating:
         url, timeout = config.backend_metrics_url, config.backend_metrics_timeout
         async with Sampler(url, interval, timeout) as sampler:
             while True:
-                await send(await sampler.sample(load()))
+                try:
+                    sample = await sampler.sample(load())
+                except Exception:  # a bug here must not stop the next samples
+                    log.exception("reading the metrics failed; trying again in %gs", interval)
+                else:
+                    await send(sample)  # a closed connection ends the loop
                 await asyncio.sleep(interval)
 
     def rejected(self, message: MetricsRejected) -> None:

@@ -62,6 +62,8 @@ def test_backend_series_appear_with_the_worker_label_and_vanish_when_it_leaves(
             assert series["modelrelay_worker_process_resident_memory_bytes"][0][1] > 0
             [(_, age)] = series["modelrelay_worker_metrics_age_seconds"]
             assert 0 <= age < 30
+            [(_, interval)] = series["modelrelay_worker_metrics_interval_seconds"]
+            assert interval == 0.2
             # The worker announced the extension and the relay read the backend for it.
             assert any(r.path == "/metrics" for r in up.requests)
             worker.signal(signal.SIGTERM)
