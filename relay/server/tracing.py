@@ -101,17 +101,19 @@ class Tracing:
 
     def admitted(self, trace: RequestTrace, request: RelayRequest, key: str | None) -> None:
         """The relay accepted ``request`` (it may already be on a worker)."""
-        root = trace.root
-        root.set_attribute("relay.request_id", request.id)
-        root.set_attribute("gen_ai.request.model", request.model)
-        root.set_attribute("relay.provider", request.provider)
-        root.set_attribute("relay.stream", request.is_streaming)
-        root.set_attribute("relay.service_class", request.service_class)
+        attributes: dict[str, Any] = {
+            "relay.request_id": request.id,
+            "gen_ai.request.model": request.model,
+            "relay.provider": request.provider,
+            "relay.stream": request.is_streaming,
+            "relay.service_class": request.service_class,
+        }
         if key is not None:
-            root.set_attribute("relay.api_key.name", key)
+            attributes["relay.api_key.name"] = key
+        trace.root.set_attributes(attributes)
         if trace.admitted_ns is None:
             trace.admitted_ns = time.time_ns()
-        self._span("admission", trace, root.start_time, trace.admitted_ns)
+        self._span("admission", trace, trace.root.start_time, trace.admitted_ns)
 
     def rejected(self, trace: RequestTrace, status: int, outcome: str, model: str = "") -> None:
         """The relay refused the request before admitting it (or the client left)."""
@@ -231,12 +233,14 @@ class Tracing:
             dispatch.end(end)
             trace.dispatch = None
         root = trace.root
-        root.set_attribute("http.response.status_code", request.status or 0)
-        root.set_attribute("relay.outcome", request.outcome or "")
+        attributes: dict[str, Any] = {
+            "http.response.status_code": request.status or 0,
+            "relay.outcome": request.outcome or "",
+            **tokens,
+        }
         if request.worker_name:
-            root.set_attribute("relay.worker.name", request.worker_name)
-        for name, value in tokens.items():
-            root.set_attribute(name, value)
+            attributes["relay.worker.name"] = request.worker_name
+        root.set_attributes(attributes)
         if (request.status or 0) >= 500 or request.outcome not in ("ok", "upstream_error"):
             root.set_status(self._error)
         root.end(end)
