@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench chaos browser nginx caddy wrk clean
+.PHONY: run test lint bench chaos browser nginx caddy wrk promtool clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ nginx:
 
 caddy:
 	@scripts/install-deb.sh caddy caddy "the Caddy tests will be skipped"
+
+# The alert rules in deploy/prometheus are checked and unit-tested with promtool (Debian's
+# prometheus package); without it the tests check their shape only, except in CI.
+promtool:
+	@scripts/install-deb.sh prometheus promtool "the alert rules get a schema check only"
 
 # make bench drives its throughput scenario with Debian's wrk.
 wrk:
@@ -55,7 +60,7 @@ UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures
 	tests/server/test_live_legacy_nodes.py tests/server/test_live_oldapi.py \
 	tests/server/test_live_limits.py tests/test_batches_e2e.py
 
-test: $(VENV)/.dev browser nginx caddy
+test: $(VENV)/.dev browser nginx caddy promtool
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)
 	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_DATABASE=postgres DATABASE_URL=$(PG_URL) \
 		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(PG_TESTS)

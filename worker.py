@@ -62,10 +62,12 @@ from websockets.exceptions import InvalidHandshake
 
 from relay import __version__
 from relay.wire.errors import describe
+from relay.wire.logrecord import formatter
 from relay.wire.protocol import ModelsUpdate
 from relay.worker.backend import Backend, BackendNotReady
 from relay.worker.config import Config, parse_config
 from relay.worker.session import Session
+from relay.worker.tracing import from_environment as tracing_from_environment
 
 log = logging.getLogger("modelrelay.worker")
 
@@ -109,6 +111,8 @@ class Worker:
         self._runner: asyncio.Task[None] | None = None
         self._stop_requested = False
         self._discovery = asyncio.Lock()
+        #: Spans around backend calls when OTEL_* turns tracing on (SPEC §17).
+        self.tracing = tracing_from_environment()
 
     @property
     def backend(self) -> Backend:
@@ -120,15 +124,19 @@ class Worker:
 
     async def run(self) -> int:
         """Serve until stopped; returns the process exit code (0 after a drain)."""
-        async with Backend(self.config) as backend:
-            self._backend = backend
-            self._runner = asyncio.create_task(self._serve_forever(), name="worker")
-            try:
-                await self._runner
-            except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
-                    raise  # run() itself was cancelled, not just stopped
+        try:
+            async with Backend(self.config) as backend:
+                self._backend = backend
+                self._runner = asyncio.create_task(self._serve_forever(), name="worker")
+                try:
+                    await self._runner
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # run() itself was cancelled, not just stopped
+        finally:
+            if self.tracing is not None:  # export the spans still buffered
+                await asyncio.to_thread(self.tracing.shutdown)
         return self.exit_code
 
     def request_stop(self) -> None:
@@ -283,12 +291,11 @@ class Worker:
             await session.send(ModelsUpdate(models=self.advertised(), current_load=session.load))
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def configure_logging(level: str, kind: str = "text") -> None:
+    """Every line to stderr, as text or (``LOG_FORMAT=json``) one JSON object per line."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(kind, "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     # Frame-by-frame and per-request lines from the libraries drown the worker's own.
     logging.getLogger("websockets").setLevel(max(logging.INFO, log.getEffectiveLevel()))
     logging.getLogger("asyncio").setLevel(logging.INFO)
@@ -324,7 +331,7 @@ def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    configure_logging(config.log_level)
+    configure_logging(config.log_level, config.log_format)
     factory = event_loop_factory()
     log.debug("event loop: %s", "uvloop" if factory is not None else "asyncio")
     with asyncio.Runner(loop_factory=factory) as runner:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import batches, big_box, classes, cluster, limits, peers, scenarios, targets
+from bench import batches, big_box, classes, cluster, fleet, limits, peers, scenarios, targets
 from bench.procs import Processes
 from bench.profiler import Profiler, find_py_spy
 from bench.targets import RELAYS, ROOT
@@ -56,6 +56,10 @@ def settings(quick: bool) -> dict[str, Any]:
             "j_seconds": 6.0,
             "j_slots": 4,
             "j_trickle": 2.0,
+            "l_requests": 2_000,
+            "l_rounds": 3,
+            "l_workers": 100,
+            "l_series": 1_000,
         }
     return {
         "a_seconds": 10,
@@ -85,6 +89,10 @@ def settings(quick: bool) -> dict[str, Any]:
         "j_seconds": 30.0,
         "j_slots": 4,
         "j_trickle": 2.0,
+        "l_requests": 5_000,
+        "l_rounds": 5,
+        "l_workers": 100,
+        "l_series": 1_000,
     }
 
 
@@ -320,6 +328,9 @@ class Campaign:
         if "j" in only:
             self.log("priority classes (flex at 3x capacity, a default trickle):")
             self.res["classes"] = classes.run(self.procs, self.workdir, self.s, self.log)
+        if "l" in only:
+            self.log("fleet observability (tracing off and on, federation of 100 workers):")
+            self.res["fleet"] = fleet.run(self.s, self.log)
         if "e" in only:
             for name in names:
                 if name in RELAYS:

@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args(argv)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghij")
-    if not only <= set("abcdefghij"):
-        p.error("--only takes a, b, c, d, e, f, g, h, i, j")
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghijl")
+    if not only <= set("abcdefghijl"):
+        p.error("--only takes a, b, c, d, e, f, g, h, i, j, l")
     if "d" in only:
         only |= {"a", "c"}
     names = [n.strip().lower() for n in args.targets.split(",") if n.strip()]

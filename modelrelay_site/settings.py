@@ -279,6 +279,12 @@ BATCH_CLAIM_SECS = env_float("BATCH_CLAIM_SECS", 60.0)
 BATCH_FLUSH_SECS = env_float("BATCH_FLUSH_SECS", 0.25)
 BATCH_RETENTION_DAYS = env_int("BATCH_RETENTION_DAYS", 30, minimum=1)
 
+# Backend metrics federation (SPEC §17, GET /metrics/workers): the largest metrics
+# sample a worker may send, in bytes and in series; a larger one is dropped (the worker
+# is told, the connection stays).
+WORKER_METRICS_MAX_BYTES = env_int("WORKER_METRICS_MAX_BYTES", 2 * MIB, minimum=1)
+WORKER_METRICS_MAX_SERIES = env_int("WORKER_METRICS_MAX_SERIES", 10_000, minimum=1)
+
 # --- Logging -----------------------------------------------------------------
 
 LOG_LEVEL = env_str("LOG_LEVEL", "info").upper()
@@ -290,6 +296,14 @@ if LOG_LEVEL not in {"TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRIT
     )
 LOG_LEVEL = {"TRACE": "DEBUG", "WARN": "WARNING"}.get(LOG_LEVEL, LOG_LEVEL)
 
+# text: one line per event; json: one JSON object per line, with request_id on every
+# line about a request (the worker's LOG_FORMAT does the same on its side).
+LOG_FORMAT = env_str("LOG_FORMAT", "text").lower()
+if LOG_FORMAT not in ("text", "json"):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(f"LOG_FORMAT must be text or json; got {LOG_FORMAT!r}")
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -298,9 +312,13 @@ LOGGING = {
             "()": "modelrelay_site.logformat.OneLineFormatter",
             "format": "%(asctime)s %(levelname)-7s %(name)s: %(message)s",
         },
+        "json": {"()": "modelrelay_site.logformat.JsonFormatter"},
     },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "plain"},
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "json" if LOG_FORMAT == "json" else "plain",
+        },
     },
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {

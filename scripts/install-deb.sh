@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install a Debian package a test or benchmark needs: install-deb.sh PACKAGE [BINARY] [PURPOSE]
-# (nginx and caddy for the reverse-proxy tests, wrk for make bench). Needs root or sudo.
+# (nginx and caddy for the reverse-proxy tests, wrk for make bench, prometheus for promtool).
+# Needs root or sudo.
 # A package's own service is never started: the tests run their own process in the foreground.
 # When the package cannot be installed this prints why and exits 0, so local runs skip what
 # needs it (under CI=true the tests themselves fail when it is missing).

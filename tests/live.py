@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The ASGI server live tests run under (``make test`` runs the live tests under both).
 SERVER = os.environ.get("RELAY_TEST_SERVER", "daphne")
 WORKER_SECRET = "mrw_test-secret-0123456789"
-_LISTEN_RE = re.compile(r"Listening on (http://\S+)")
+# (In a LOG_FORMAT=json banner the URL ends at the closing quote.)
+_LISTEN_RE = re.compile(r'Listening on (http://[^\s"]+)')
 
 
 @dataclass

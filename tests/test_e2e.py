@@ -48,7 +48,9 @@ FAST = [
 class WorkerProcess:
     """The real ``worker.py``, its log collected line by line."""
 
-    def __init__(self, server: LiveServer, backend_url: str, *flags: str) -> None:
+    def __init__(
+        self, server: LiveServer, backend_url: str, *flags: str, env: dict[str, str] | None = None
+    ) -> None:
         argv = [
             sys.executable,
             "worker.py",
@@ -66,6 +68,7 @@ class WorkerProcess:
         self.process = subprocess.Popen(
             argv,
             cwd=ROOT,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -107,8 +110,11 @@ class WorkerProcess:
 
 
 @contextmanager
-def running_worker(server: LiveServer, backend_url: str, *flags: str) -> Iterator[WorkerProcess]:
-    worker = WorkerProcess(server, backend_url, *flags)
+def running_worker(
+    server: LiveServer, backend_url: str, *flags: str, env: dict[str, str] | None = None
+) -> Iterator[WorkerProcess]:
+    """The real worker.py (``env``: its whole environment; None: this process's)."""
+    worker = WorkerProcess(server, backend_url, *flags, env=env)
     try:
         yield worker
     finally:

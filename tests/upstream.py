@@ -17,7 +17,7 @@ Endpoints:
   (a few bytes of ``audio/mpeg``, for operator-added routes);
 - ``in_flight`` / ``max_in_flight``: POSTs being answered now, and the peak;
 - ``GET /v1/models`` (OpenAI list), ``GET /props`` (llama-server ``total_slots``),
-  ``GET /api/tags`` (Ollama).
+  ``GET /api/tags`` (Ollama), ``GET /metrics`` (``metrics_text``, when set).
 
 Behaviour is set by attributes (defaults for every request) or per request by a
 ``"mock": {...}`` object in the JSON body, whose keys are :class:`Mock`'s fields:
@@ -160,6 +160,9 @@ class FakeUpstream:
         self.ollama = ollama
         #: Anything but 200 makes every GET answer it (llama-server answers 503 while loading).
         self.discovery_status = 200
+        #: What ``GET /metrics`` answers (Prometheus text, like llama-server ``--metrics``);
+        #: None: 404, like a backend started without metrics.
+        self.metrics_text: str | None = None
         self.tokens = tokens
         self.prompt_tokens = prompt_tokens
         self.first_byte_delay = first_byte_delay
@@ -281,6 +284,12 @@ class FakeUpstream:
     async def _answer(
         self, rec: Recorded, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> bool:
+        if rec.method == "GET" and rec.path == "/metrics" and self.metrics_text is not None:
+            self._write_json(
+                writer, 200, self.metrics_text.encode(), content_type="text/plain; version=0.0.4"
+            )
+            rec.finished.set()
+            return True
         if rec.method == "GET":
             status, document = self._get(rec.path)
             self._write_json(writer, status, document)

@@ -105,7 +105,12 @@ class Capacity:
         elif self.shutting_down:
             self._finish(request, ShuttingDown())
         elif spend and request.requeues >= self.config.max_requeue_count:
-            logger.warning("requeue exhausted: %s after %d attempts", request.id, request.requeues)
+            logger.warning(
+                "requeue exhausted: %s after %d attempts",
+                request.id,
+                request.requeues,
+                extra={"request_id": request.id},
+            )
             self._finish(request, RequeueExhausted())
         elif now >= request.deadline:
             self._finish(request, RequestTimeout())
@@ -115,7 +120,12 @@ class Capacity:
                 self.stats.requeues += 1
             request.buffer.clear()
             request.streamed_bytes = 0
-            logger.info("request requeued: %s (requeue %d)", request.id, request.requeues)
+            logger.info(
+                "request requeued: %s (requeue %d)",
+                request.id,
+                request.requeues,
+                extra={"request_id": request.id},
+            )
             request.lease = None
             self._enqueue(state, request, now)
             if self.clustered:

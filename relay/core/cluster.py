@@ -117,6 +117,7 @@ class ClusterSide:
         lifetime: float,
         service_class: str = "default",
         preemptions: int = 0,
+        trace: object = None,
     ) -> RelayRequest:
         """Admit a request another process placed on one of our workers (its slot is
         reserved under ``lease``). Raises :class:`WorkerUnavailable` when that worker can
@@ -149,6 +150,7 @@ class ClusterSide:
         if worker.refuses is not None and worker.refuses(request) is not None:
             raise WorkerUnavailable(spend=False)  # (the placing process checks this first)
         request.lease = lease
+        request.trace = trace
         request.relay_role = "worker"
         request.service_class = service_class  # (for the request log written here)
         request.preemptions = preemptions

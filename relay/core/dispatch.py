@@ -38,6 +38,7 @@ from relay.core.providers import ProviderState, ProviderTable
 from relay.core.registry import Registry
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
+from relay.core.tracer import RequestTracer
 from relay.wire import protocol
 from relay.wire.errors import (
     Flavor,
@@ -78,6 +79,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self.reserved: dict[str, str] = {}
         #: Cluster mode (SPEC §11): where requests are placed; None in a single process.
         self.placement: Placement | None = None
+        #: Told of each traced request's dispatch and end; None while tracing is off.
+        self.tracer: RequestTracer | None = None
         #: Cluster mode: provider -> models served by workers of other processes.
         self.remote_models: dict[str, frozenset[str]] = {}
         self.evicted: dict[str, int] = {}
@@ -96,6 +99,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         key_id: int | None = None,
         ticket: Ticket | None = None,
         service_class: str = DEFAULT,
+        trace: object = None,
     ) -> RelayRequest:
         """Admit a client request: assign it now, queue it, or raise a RelayError.
 
@@ -106,7 +110,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         ``ticket`` is the API key's admission (:meth:`relay.core.limits.Limiter.admit`):
         the request owns it once this returns and closes it when it ends; when this
         raises, the caller still owns it. ``service_class`` is the request's priority
-        class (SPEC §15), kept on the request.
+        class (SPEC §15), kept on the request. ``trace`` is its trace state when the
+        edge traces it (:mod:`relay.core.tracer`).
         """
         request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:
@@ -136,6 +141,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
             deadline=now + primary.policy.request_timeout,
         )
         request.ticket = ticket
+        request.trace = trace
         request.service_class = service_class
         request.rank = RANK[service_class]
         if self.clustered:
@@ -249,6 +255,9 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self._arm(request, request.queue_deadline)
 
     def _assign(self, request: RelayRequest, worker: Worker, now: float) -> None:
+        headers = request.headers
+        if self.tracer is not None:
+            headers = self.tracer.dispatched(request, worker, now)
         if request.enqueued_at is not None:
             request.queue_wait += now - request.enqueued_at
             request.enqueued_at = None
@@ -265,10 +274,16 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
                 endpoint_path=request.endpoint_path,
                 is_streaming=request.is_streaming,
                 body=request.body,
-                headers=request.headers,
+                headers=headers,
             )
         )
-        logger.debug("request dispatched: %s -> %s (%s)", request.id, worker.name, worker.id)
+        logger.debug(
+            "request dispatched: %s -> %s (%s)",
+            request.id,
+            worker.name,
+            worker.id,
+            extra={"request_id": request.id},
+        )
         self._arm(request, request.deadline)
 
     def _abandon(self, request: RelayRequest, reason: CancelReason) -> None:
@@ -279,7 +294,10 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         worker.in_flight.pop(request.id, None)
         request.worker = None
         if worker.attached:
-            if reason not in protocol.BASE_CANCEL_REASONS and not worker.features:
+            if (
+                reason not in protocol.BASE_CANCEL_REASONS
+                and protocol.FLOW_CONTROL not in worker.features
+            ):
                 reason = "client_disconnect"  # the nearest reason every worker knows
             worker.link.send(protocol.Cancel(request_id=request.id, reason=reason))
             self.stats.cancels[reason] += 1
@@ -297,12 +315,22 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
             if state is not None:
                 state.queue.remove(request)
             if request.queue_deadline < request.deadline:
-                logger.info("queue timeout: %s model=%s", request.id, request.model)
+                logger.info(
+                    "queue timeout: %s model=%s",
+                    request.id,
+                    request.model,
+                    extra={"request_id": request.id},
+                )
                 self._finish(request, QueueTimeout())
             else:
                 self._finish(request, RequestTimeout())
         elif request.phase is Phase.ASSIGNED:
-            logger.info("request timeout: %s on %s", request.id, request.worker_name)
+            logger.info(
+                "request timeout: %s on %s",
+                request.id,
+                request.worker_name,
+                extra={"request_id": request.id},
+            )
             self._abandon(request, "timeout")
             self._finish(request, RequestTimeout())
 
@@ -346,6 +374,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self.active -= 1
         if self.shutting_down and self.active <= 0:
             self._idle.set()
+        if self.tracer is not None:
+            self.tracer.finished(request)
         self._record(request, cancel_reason)
 
     def _record(self, request: RelayRequest, cancel_reason: str | None) -> None:

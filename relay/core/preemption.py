@@ -85,6 +85,8 @@ class Preemption:
         return best
 
     def _preempt(self, victim: RelayRequest, winner: RelayRequest | None = None) -> None:
+        if winner is not None:
+            winner.why = f"preemption of {victim.id} ({victim.service_class})"
         self.preempt(victim, f"{winner.id} ({winner.service_class})" if winner else "")
 
     def preempt(self, victim: RelayRequest, why: str = "") -> None:
@@ -100,6 +102,7 @@ class Preemption:
             victim.preemptions,
             worker.name,
             f" for {why}" if why else "",
+            extra={"request_id": victim.id},
         )
         # The freed slot goes to the highest class waiting (the winner, or an older one).
         self._abandon(victim, "preempted")

@@ -171,6 +171,14 @@ class Registry:
         self._cursor[provider] = cursor + 1
         return best[cursor % len(best)]
 
+    def workers_by_model(self, now: float) -> dict[tuple[str, str], int]:
+        """(provider, model) -> connected workers acked for it; 0 for a model none serves
+        now that one served within the model memory (for ``/metrics``)."""
+        counts = {key: 0 for key, at in self._last_seen.items() if now - at <= self._model_memory}
+        for key, workers in self._by_model.items():
+            counts[key] = len(workers)
+        return counts
+
     def serving_workers(self, provider: str, model: str) -> list[Worker]:
         """The connected workers of ``provider`` acked for ``model`` (busy or not)."""
         return list(self._by_model.get((provider, model), ()))

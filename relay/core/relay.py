@@ -160,7 +160,12 @@ class Relay(Dispatcher):
         size = len(data)
         request.streamed_bytes += size
         if request.streamed_bytes > self.config.max_stream_bytes:
-            logger.warning("stream ceiling reached: %s on %s", request.id, worker.name)
+            logger.warning(
+                "stream ceiling reached: %s on %s",
+                request.id,
+                worker.name,
+                extra={"request_id": request.id},
+            )
             self._abandon(request, "stream_limit")
             self._finish(request, StreamTooLarge())
             return
@@ -168,7 +173,10 @@ class Relay(Dispatcher):
             # Kept until the completion: as large as one message may be, no larger.
             if request.streamed_bytes > self.config.max_message_bytes:
                 logger.warning(
-                    "non-streaming response too large: %s on %s", request.id, worker.name
+                    "non-streaming response too large: %s on %s",
+                    request.id,
+                    worker.name,
+                    extra={"request_id": request.id},
                 )
                 self._abandon(request, "stream_limit")
                 self._finish(request, WorkerFailed("The response is too large to relay"))
@@ -250,7 +258,10 @@ class Relay(Dispatcher):
             # Sent to a worker that was already shutting down: it never started, so
             # it goes back to the front of the queue at no cost to its requeue budget.
             logger.info(
-                "worker %s is shutting down; %s goes back to the queue", worker.name, request.id
+                "worker %s is shutting down; %s goes back to the queue",
+                worker.name,
+                request.id,
+                extra={"request_id": request.id},
             )
             worker.draining = True
             if self.placement is not None:
@@ -259,7 +270,11 @@ class Relay(Dispatcher):
                 self._dispatch_provider(request.provider)
         else:
             logger.warning(
-                "worker %s failed %s: %s", worker.name, request.id, message.message[:500]
+                "worker %s failed %s: %s",
+                worker.name,
+                request.id,
+                message.message[:500],
+                extra={"request_id": request.id},
             )
             self._finish(request, WorkerFailed())
         self._freed(worker, lease)
@@ -317,12 +332,23 @@ class Relay(Dispatcher):
         if request is None:
             return
         request.worker = None
-        logger.info("%s lost on %s: placing it again", request.id, worker.name)
+        logger.info(
+            "%s lost on %s: placing it again",
+            request.id,
+            worker.name,
+            extra={"request_id": request.id},
+        )
         self._requeue(request, spend=spend)
 
     def _stray(self, worker: Worker, kind: str, request_id: str) -> None:
         self.stats.dropped_frames += 1
-        logger.info("dropped %s for %s from %s: not in flight there", kind, request_id, worker.name)
+        logger.info(
+            "dropped %s for %s from %s: not in flight there",
+            kind,
+            request_id,
+            worker.name,
+            extra={"request_id": request_id},
+        )
 
     # ------------------------------------------------------------------ operations
 

@@ -102,7 +102,9 @@ class RelayRequest:
         "ticket",
         "timer",
         "token_counts",
+        "trace",
         "translation",
+        "why",
         "worker",
         "worker_id",
         "worker_name",
@@ -185,6 +187,11 @@ class RelayRequest:
         #: Cluster mode: the request's place in the cluster-wide arrival order (0 until
         #: the shared queue gave it one); kept when it is placed again after a requeue.
         self.cluster_seq = 0
+        #: Its trace while tracing is on (see :mod:`relay.core.tracer`), else None; and
+        #: why the next worker is chosen, when it is not the usual selection
+        #: (a preemption), for that trace.
+        self.trace: object = None
+        self.why = ""
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 

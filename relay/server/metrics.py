@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import Counter as CounterMetric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -106,6 +107,11 @@ class RelayCollector(Collector):
             value=relay.active,
         )
         depth = GaugeMetricFamily("modelrelay_queue_depth", "Queued requests.", labels=["provider"])
+        limit = GaugeMetricFamily(
+            "modelrelay_queue_limit",
+            "Queue bound (MAX_QUEUE_LEN, or the provider's own), per priority class.",
+            labels=["provider"],
+        )
         workers = GaugeMetricFamily("modelrelay_workers", "Connected workers.", labels=["provider"])
         load = GaugeMetricFamily("modelrelay_worker_load", "Busy slots.", labels=["provider"])
         capacity = GaugeMetricFamily(
@@ -114,10 +120,23 @@ class RelayCollector(Collector):
         for name in sorted(relay.providers):
             members = relay.registry.of_provider(name)
             depth.add_metric([name], relay.queue_depth(name))
+            limit.add_metric([name], relay.providers[name].policy.max_queue_len)
             workers.add_metric([name], len(members))
             load.add_metric([name], sum(w.load for w in members))
             capacity.add_metric([name], sum(w.max_concurrent for w in members))
-        yield from (depth, workers, load, capacity)
+        yield from (depth, limit, workers, load, capacity)
+        serving = GaugeMetricFamily(
+            "modelrelay_model_workers",
+            "Workers connected here acked for a model; 0 for a model served within "
+            "MODEL_MEMORY_SECS that none serves now (in cluster mode, take the max over "
+            "the processes).",
+            labels=["provider", "model"],
+        )
+        for (provider, model), count in sorted(
+            relay.registry.workers_by_model(relay.loop.time()).items()
+        ):
+            serving.add_metric([provider, model], count)
+        yield serving
         info = GaugeMetricFamily(
             "modelrelay_process",
             "This server process (its series are its own; in cluster mode scrape each one).",
@@ -262,6 +281,12 @@ class RelayMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.responses = CounterMetric(
+            "modelrelay_responses",
+            "Responses to clients by HTTP status (relay errors and the backends' own).",
+            ["status"],
+            registry=self.registry,
+        )
         self.class_wait = Histogram(
             "modelrelay_class_queue_wait_seconds",
             "Time spent waiting in the queue, by priority class (SPEC §15).",
@@ -271,6 +296,8 @@ class RelayMetrics:
         )
 
     def observe(self, record: RequestRecord) -> None:
+        if record.relay_role != "worker" and 100 <= record.status <= 599:
+            self.responses.labels(str(record.status)).inc()
         if not record.request_id or record.relay_role == "worker":
             # Rejected before admission (counted, no latency), or served here for a
             # client of another process, which reports its latencies.

@@ -35,7 +35,10 @@ from relay.server.cluster.limits import RedisLimitStore
 from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
 from relay.server.cors import CorsPolicy
+from relay.server.federation import Federation
 from relay.server.metrics import RelayMetrics
+from relay.server.tracing import Tracing
+from relay.server.tracing import from_environment as tracing_from_environment
 from relay.wire.errors import Flavor
 
 logger = logging.getLogger("relay.runtime")
@@ -121,6 +124,13 @@ class Runtime:
                 self._charge_placed,
                 self.batches.observe,
             ]
+        )
+        #: OpenTelemetry traces (SPEC §17): None unless OTEL_* turns them on.
+        self.tracing: Tracing | None = tracing_from_environment()
+        self.relay.tracer = self.tracing
+        #: The latest metrics sample of each worker connected here (SPEC §17).
+        self.federation = Federation(
+            settings.WORKER_METRICS_MAX_BYTES, settings.WORKER_METRICS_MAX_SERIES
         )
         self.sockets = 0
         self._sockets_gone = asyncio.Event()
@@ -342,6 +352,8 @@ class Runtime:
         grace = max(0.0, grace - (self.loop.time() - started))
         await self.relay.shutdown(grace)
         await self.bookkeeper.flush()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
         if self.sockets > 0:
             try:
                 async with asyncio.timeout(5):
@@ -378,6 +390,7 @@ class Runtime:
             except asyncio.CancelledError:
                 pass
         self._tasks.clear()
+        self.federation.close()
         await self.relay.aclose()
 
 

@@ -1,9 +1,11 @@
 """The wire format the server and the worker share.
 
 ``protocol`` (the typed worker <-> server messages), ``errors`` (the one error tree
-and its HTTP envelopes), ``sse`` (the error events the relay writes into streams) and
-``headers`` (which headers cross the relay). Shipped to GPU boxes with the worker.
+and its HTTP envelopes), ``sse`` (the error events the relay writes into streams),
+``headers`` (which headers cross the relay), ``logrecord`` (the log line formats,
+``LOG_FORMAT``) and ``telemetry`` (whether ``OTEL_*`` turns tracing on, and the SDK's
+set-up, imported only then). Shipped to GPU boxes with the worker.
 
-May import: the standard library and ``msgspec``; nothing else of ours (``relay`` for
-its version only) and never Django.
+May import: the standard library and ``msgspec`` (and OpenTelemetry, by name, when
+tracing is on); nothing else of ours (``relay`` for its version only) and never Django.
 """

@@ -16,6 +16,11 @@ supports in ``register.features`` and the server only sends it what it announced
   request whose client reads slower than the backend writes; the worker stops
   reading that backend response until ``resume`` (TCP then slows the backend).
   Such a worker also understands every cancel reason in :data:`CancelReason`.
+- ``"metrics"`` (SPEC §17): the worker sends ``metrics_sample`` frames, its
+  backend's Prometheus text plus its own series, every few seconds; the server keeps
+  the latest per worker for ``GET /metrics/workers``. A sample over the server's
+  bounds (bytes, series) is dropped and answered with ``metrics_rejected``; the
+  connection is unaffected.
 """
 
 from __future__ import annotations
@@ -55,8 +60,9 @@ BASE_CANCEL_REASONS = frozenset(
     }
 )
 FLOW_CONTROL = "flow_control"
+METRICS = "metrics"
 #: Features this implementation's worker and server both speak.
-FEATURES = (FLOW_CONTROL,)
+FEATURES = (FLOW_CONTROL, METRICS)
 
 #: Bounds on numbers from a peer: far above any real value, far below what could
 #: overflow a float or a metric (a worker once reported a load of 10**300).
@@ -140,8 +146,24 @@ class ModelsRefresh(msgspec.Struct, tag="models_refresh", tag_field="type"):
     reason: str | None = None
 
 
+class MetricsRejected(msgspec.Struct, tag="metrics_rejected", tag_field="type"):
+    """A ``metrics_sample`` was dropped (``metrics``): why, and the server's bounds."""
+
+    reason: ShortText
+    max_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_series: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 ServerMessage = (
-    RegisterAck | Request | Cancel | Ping | GracefulShutdown | ModelsRefresh | Pause | Resume
+    RegisterAck
+    | Request
+    | Cancel
+    | Ping
+    | GracefulShutdown
+    | ModelsRefresh
+    | Pause
+    | Resume
+    | MetricsRejected
 )
 
 # --- worker -> server --------------------------------------------------------
@@ -209,12 +231,25 @@ class Error(msgspec.Struct, tag="error", tag_field="type"):
     code: ShortText | None = None
 
 
+class MetricsSample(msgspec.Struct, tag="metrics_sample", tag_field="type"):
+    """The worker's latest metrics (``metrics``): Prometheus text exposition (format
+    0.0.4) of its backend's endpoint followed by the worker's own series."""
+
+    text: str
+    #: Whether the backend's endpoint answered this time (its series are absent if not).
+    backend_up: bool = True
+    #: How often the worker sends one (the server reports a sample's age against it).
+    interval_secs: Annotated[float, msgspec.Meta(gt=0, le=86_400)] | None = None
+
+
 #: ``error.code`` with which a worker that is shutting down refuses a request it was
 #: sent before the server knew: the server puts the request back in the queue.
 WORKER_DRAINING = "worker_draining"
 
 
-WorkerMessage = Register | ModelsUpdate | ResponseChunk | ResponseComplete | Pong | Error
+WorkerMessage = (
+    Register | ModelsUpdate | ResponseChunk | ResponseComplete | Pong | Error | MetricsSample
+)
 
 _encoder = msgspec.json.Encoder()
 _worker_decoder = msgspec.json.Decoder(WorkerMessage)

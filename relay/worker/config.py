@@ -33,6 +33,7 @@ class Config:
     model_refresh_secs: float
     max_message_bytes: int
     log_level: str
+    log_format: str  # text or json (one object per line)
     backoff_min_secs: float
     backoff_max_secs: float
     fatal_retry_secs: float
@@ -42,6 +43,11 @@ class Config:
     backend_read_timeout: float | None
     backend_keepalive_secs: float
     discovery_timeout: float
+    #: Backend metrics federation (SPEC §17): the backend's Prometheus endpoint (None:
+    #: off), how often it is read, and how long one read may take.
+    backend_metrics_url: str | None
+    backend_metrics_secs: float
+    backend_metrics_timeout: float
 
     @property
     def connect_url(self) -> str:
@@ -78,6 +84,19 @@ def _models(text: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
 
 
+def _log_format(text: str) -> str:
+    if text.lower() not in ("text", "json"):
+        raise argparse.ArgumentTypeError("use text or json")
+    return text.lower()
+
+
+def _metrics_secs(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be from 0.1 to 3600 seconds, got {value}")
+    return value
+
+
 def _level(text: str) -> str:
     if text.lower() not in ("debug", "info", "warning", "error"):
         raise argparse.ArgumentTypeError("use debug, info, warning or error")
@@ -107,6 +126,14 @@ OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
      "largest WebSocket message; keep it equal to the relay's MAX_MESSAGE_BYTES"),
     ("--log-level", "LOG_LEVEL", "info", _level,
      "debug, info, warning or error; debug adds a line per request with its token counts"),
+    ("--log-format", "LOG_FORMAT", "text", _log_format,
+     "text, or json: one JSON object per line, with request_id on every line about a request"),
+    ("--backend-metrics-url", "BACKEND_METRICS_URL", None, _url("http", "https"),
+     "the backend's Prometheus endpoint, read and sent to the relay (GET /metrics/workers); "
+     "omitted: BACKEND_URL/metrics"),
+    ("--backend-metrics-secs", "BACKEND_METRICS_SECS", "15", _metrics_secs,
+     "how often the backend's metrics (and this worker's own) are read and sent"),
+    ("--backend-metrics-timeout", "BACKEND_METRICS_TIMEOUT_SECS", "5", _seconds, None),
     ("--backoff-min-secs", "WORKER_BACKOFF_MIN_SECS", "1", _seconds, None),
     ("--backoff-max-secs", "WORKER_BACKOFF_MAX_SECS", "30", _seconds, None),
     ("--fatal-retry-secs", "WORKER_FATAL_RETRY_SECS", "60", _seconds, None),
@@ -136,7 +163,17 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
             default=env.get(name) or fallback,  # argparse parses string defaults with ``type``
             help=argparse.SUPPRESS if text is None else f"{text} ({shown})",
         )
+    parser.add_argument(
+        "--no-backend-metrics",
+        action="store_true",
+        default=env.get("BACKEND_METRICS", "").strip().lower() in ("0", "false", "no", "off"),
+        help="send no metrics to the relay (env BACKEND_METRICS=off)",
+    )
     values = vars(parser.parse_args(argv))
+    if values.pop("no_backend_metrics"):
+        values["backend_metrics_url"] = None
+    elif not values["backend_metrics_url"]:
+        values["backend_metrics_url"] = values["backend_url"] + "/metrics"
     if not values["worker_secret"]:
         parser.error("a worker secret is required: --worker-secret or WORKER_SECRET")
     values["models"] = values["models"] or None

@@ -18,15 +18,18 @@ from typing import Any, Protocol
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from relay.wire import logrecord
 from relay.wire.errors import ProtocolError
 from relay.wire.protocol import (
     FEATURES,
     FLOW_CONTROL,
+    METRICS,
     PROTOCOL_VERSION,
     WORKER_DRAINING,
     Cancel,
     Error,
     GracefulShutdown,
+    MetricsRejected,
     ModelsRefresh,
     ModelsUpdate,
     Pause,
@@ -39,9 +42,11 @@ from relay.wire.protocol import (
     WorkerMessage,
     decode_server_message,
 )
+from relay.worker import sampler
 from relay.worker.backend import Backend, Valve
 from relay.worker.config import Config
 from relay.worker.outbox import Outbox, encode
+from relay.worker.tracing import WorkerTracing
 from relay.worker.usage import format_counts
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
@@ -88,6 +93,11 @@ class Owner(Protocol):
     @property
     def backend(self) -> Backend: ...
 
+    @property
+    def tracing(self) -> WorkerTracing | None:
+        """Traces of backend calls (SPEC §17); None while tracing is off."""
+        ...
+
     def advertised(self) -> list[str]:
         """The models to register with: none while draining."""
         ...
@@ -118,6 +128,8 @@ class Session:
         #: Event-loop time of the last frame received from the server.
         self.last_heard = asyncio.get_running_loop().time()
         self._watchdog: asyncio.Task[None] | None = None
+        #: This connection's side of the ``metrics`` extension.
+        self.metrics = sampler.Federating()
         #: Every frame to the relay goes through it, in order.
         self.outbox = Outbox(ws, self.spawn)
 
@@ -153,7 +165,7 @@ class Session:
                     max_concurrent=worker.max_concurrent,
                     protocol_version=PROTOCOL_VERSION,
                     current_load=0,
-                    features=list(FEATURES),
+                    features=self.features(),
                 )
             )
             loop = asyncio.get_running_loop()
@@ -169,6 +181,11 @@ class Session:
                 task.cancel()
             if children:
                 await asyncio.wait(children)
+
+    def features(self) -> list[str]:
+        """The extensions to announce: all but ``metrics`` when that is turned off."""
+        off = self.worker.config.backend_metrics_url is None
+        return [f for f in FEATURES if not (off and f == METRICS)]
 
     async def on_frame(self, raw: str | bytes) -> None:
         """Handle one frame quickly; anything slow runs in a task of its own."""
@@ -189,6 +206,8 @@ class Session:
                 await self.send(pong)
             case RegisterAck():
                 self.on_ack(message)
+            case MetricsRejected():
+                self.metrics.rejected(message)
             case ModelsRefresh():
                 self.spawn(self.worker.refresh_models(self, always=True))
             case GracefulShutdown():
@@ -234,6 +253,10 @@ class Session:
             )
         if self.worker.config.models is None and not self.draining:
             self.spawn(self._refresh_periodically(), name="model refresh")
+        if METRICS in self.accepted:
+            self.spawn(
+                self.metrics.run(self.worker.config, self.send, lambda: self.load), name="metrics"
+            )
 
     async def on_request(self, request: Request) -> None:
         rid = request.request_id
@@ -241,13 +264,15 @@ class Session:
             # The server sent it before it learned of the drain (our empty models_update
             # or its own graceful_shutdown); this code makes it requeue the request for
             # another worker instead of failing the client.
-            log.info("refusing request %s: the worker is shutting down", rid)
+            log.info(
+                "refusing request %s: the worker is shutting down", rid, extra={"request_id": rid}
+            )
             await self.send(
                 Error(request_id=rid, code=WORKER_DRAINING, message="worker is shutting down")
             )
             return
         if rid in self.requests:
-            log.warning("ignoring a second request with id %s", rid)
+            log.warning("ignoring a second request with id %s", rid, extra={"request_id": rid})
             return
         valve = Valve()
         task = self.spawn(self.serve(request, valve), name=f"request {rid}")
@@ -263,32 +288,34 @@ class Session:
         task.add_done_callback(forget)
 
     def on_cancel(self, cancel: Cancel) -> None:
+        tag = {"request_id": cancel.request_id}
         # Popped at once: the relay freed the slot, so pongs must not count it.
         task = self.requests.pop(cancel.request_id, None)
         if task is None:
-            log.debug("cancel for %s: not in flight here", cancel.request_id)
+            log.debug("cancel for %s: not in flight here", cancel.request_id, extra=tag)
             return
         self.valves.pop(cancel.request_id, None)
         # Any reason aborts: newer servers send reasons this worker does not know.
-        log.info("cancelled request %s (%s)", cancel.request_id, cancel.reason)
+        log.info("cancelled request %s (%s)", cancel.request_id, cancel.reason, extra=tag)
         task.cancel()
 
     def on_flow(self, message: Pause | Resume) -> None:
         """``pause`` / ``resume``: stop or restart reading that one backend response."""
         rid, pause = message.request_id, isinstance(message, Pause)
+        tag = {"request_id": rid}
         verb = "pause" if pause else "resume"
         if FLOW_CONTROL not in self.accepted:
-            log.debug("%s for %s ignored: flow control was not agreed", verb, rid)
+            log.debug("%s for %s ignored: flow control was not agreed", verb, rid, extra=tag)
             return
         valve = self.valves.get(rid)
         if valve is None:  # finished or cancelled meanwhile: nothing to hold back
-            log.debug("%s for %s ignored: not in flight here", verb, rid)
+            log.debug("%s for %s ignored: not in flight here", verb, rid, extra=tag)
             return
         if pause:
             valve.pause()
         else:
             valve.resume()
-        log.debug("%sd request %s", verb, rid)
+        log.debug("%sd request %s", verb, rid, extra=tag)
 
     def drain(self, *, announce: bool) -> None:
         """Stop taking work; close the connection once in-flight requests finished."""
@@ -341,6 +368,7 @@ class Session:
     async def serve(self, request: Request, valve: Valve) -> None:
         """Forward one request to the backend and report its outcome to the relay."""
         started = time.monotonic()
+        logrecord.request_id.set(request.request_id)  # this task's lines name it
         log.info(
             "forwarding request %s: %s model=%s stream=%s",
             request.request_id,
@@ -349,6 +377,9 @@ class Session:
             request.is_streaming,
         )
         backend = self.worker.backend
+        tracing = self.worker.tracing
+        span = None if tracing is None else tracing.start(request)
+        complete = None
         try:
             complete = await backend.exchange(request, self.outbox, valve)
             frame = encode(complete)
@@ -368,3 +399,6 @@ class Session:
             raise
         except ConnectionClosed:
             pass  # the session is ending; the relay handles this request's fate
+        finally:
+            if span is not None and tracing is not None:
+                tracing.end(span, complete)

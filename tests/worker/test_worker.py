@@ -66,6 +66,7 @@ FAST = [
     "0.4",
     "--healthy-session-secs",
     "0.2",
+    "--no-backend-metrics",  # tests/worker/test_sampler.py covers the metrics frames
 ]
 CHAT, RESPONSES, MESSAGES = "/v1/chat/completions", "/v1/responses", "/v1/messages"
 M = TypeVar("M")

@@ -222,6 +222,7 @@ class ProxyLink:
                 self.worker_id,
                 self.address,
                 exc.__class__.__name__,
+                extra={"request_id": message.request_id},
             )
             refused = isinstance(exc, PeerRefused)
             if refused:

@@ -60,7 +60,8 @@ class RelayHttpApp:
             await send_error(send, HeadersTooLarge(), flavor or "openai")
             return
         try:
-            ours = flavor is not None or path in ("/health", "/metrics") or path == "/v1/models"
+            ours = flavor is not None or path in ("/health", "/metrics", "/metrics/workers")
+            ours = ours or path == "/v1/models"
             ours = ours or batches.serves(path)
             if flavor is not None and early.internal(headers):
                 # Placed here by another process; any other value of the header is
@@ -79,6 +80,8 @@ class RelayHttpApp:
                 await info.models(scope, send, path)
             elif path == "/metrics":
                 await info.metrics(scope, send)
+            elif path == "/metrics/workers":
+                await info.worker_metrics(scope, send)
             elif batches.serves(path):  # Files, Batches, Message Batches (SPEC §16)
                 await batches.handle(scope, receive, send)
             elif path in self.routes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from relay.core import classes
+from relay.core.keystats import key_name
 from relay.server import runtime
 from relay.server.cluster.proxy import (
     CLASS_HEADER,
@@ -23,6 +24,7 @@ from relay.server.http.request import (
 )
 from relay.server.http.respond import respond
 from relay.server.http.send import Receive, Scope, Send, send_error, send_simple
+from relay.wire import logrecord
 from relay.wire.errors import BadRequest, Flavor, RelayError, WorkerUnavailable
 from relay.wire.headers import forwarded_request_headers
 
@@ -41,6 +43,12 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         return
     relay = rt.relay
     path = scope["path"]
+    tracing = rt.tracing
+    trace = (
+        None
+        if tracing is None
+        else tracing.begin(scope["headers"], method, path, relay.loop.time())
+    )
     await rt.ready()  # providers and keys loaded (instant after the first request)
     try:
         key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
@@ -54,9 +62,13 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
         wanted = classes.asked(header(scope, b"x-priority"), tier)
     except ClientGone:
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, 499, "cancelled")
         return
     except RelayError as err:
         relay.record_rejection(err, "", path, False, None)
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, err.status, err.outcome)
         await send_error(send, err, flavor, cors)
         return
     if rt.placement is not None and not relay.knows(model):
@@ -68,6 +80,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             ticket = await rt.admit(key_id, model)
         except RelayError as err:
             relay.record_rejection(err, model, path, stream, key_id)
+            if trace is not None and tracing is not None:
+                tracing.rejected(trace, err.status, err.outcome, model)
             await send_error(send, err, flavor, cors)
             return
     try:
@@ -81,16 +95,24 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             key_id=key_id,
             ticket=ticket,
             service_class=rt.service_class(key_id, wanted),
+            trace=trace,
         )
     except BaseException as exc:
         # Until submit returns the ticket is ours: free the key's slot on every way
         # out, a bug included (the application answers that one with a 500).
         if ticket is not None:
             ticket.close()
-        if not isinstance(exc, RelayError):
+        failed = exc if isinstance(exc, RelayError) else None
+        if trace is not None and tracing is not None:
+            status, outcome = (500, "error") if failed is None else (failed.status, failed.outcome)
+            tracing.rejected(trace, status, outcome, model)
+        if failed is None:
             raise
-        await send_error(send, exc, flavor, cors)  # already counted by the core
+        await send_error(send, failed, flavor, cors)  # already counted by the core
         return
+    if trace is not None and tracing is not None:
+        tracing.admitted(trace, request, None if key_id is None else key_name(rt.keys, key_id))
+    logrecord.request_id.set(request.id)  # every line this task logs names it
     await respond(relay, request, receive, send, cors or [])
 
 
@@ -104,6 +126,10 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
     assert placement is not None  # internal() holds only in cluster mode
     relay = rt.relay
     path = scope["path"]
+    tracing = rt.tracing
+    trace = None
+    if tracing is not None:  # continues the trace of the process the client reached
+        trace = tracing.begin(scope["headers"], "placed", path, relay.loop.time())
     worker_id, _, lease = (header(scope, LEASE_HEADER_B) or b"").decode().partition(" ")
     try:
         lifetime = float(header(scope, LIFETIME_HEADER_B) or b"0")
@@ -128,9 +154,12 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
             else rt.config.request_timeout,
             service_class=service_class if service_class in classes.RANK else classes.DEFAULT,
             preemptions=int(preempted) if preempted.isdigit() and len(preempted) < 6 else 0,
+            trace=trace,
         )
     except ClientGone:
         placement.release(worker_id, lease)
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, 499, "cancelled")
         return
     except (RelayError, ValueError, UnicodeDecodeError) as exc:
         worker = relay.registry.workers.get(worker_id)
@@ -139,7 +168,12 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         else:
             placement.release(worker_id, lease)
         err = exc if isinstance(exc, RelayError) else BadRequest("Malformed internal request")
+        if trace is not None and tracing is not None:
+            tracing.rejected(trace, err.status, err.outcome)
         await send_error(send, err, flavor)
         return
+    if trace is not None and tracing is not None:
+        tracing.admitted(trace, request, None)
     placement.extend(worker_id, lease, request)
+    logrecord.request_id.set(request.id)
     await respond(relay, request, receive, send, [])

@@ -50,13 +50,35 @@ async def health(scope: Scope, send: Send) -> None:
 
 async def metrics(scope: Scope, send: Send) -> None:
     rt = runtime.current()
-    token = rt.metrics_token
+    if await _metrics_allowed(scope, send):
+        await _send_metrics(send, rt.metrics.render())
+
+
+async def worker_metrics(scope: Scope, send: Send) -> None:
+    """``GET /metrics/workers``: the federated metrics of this process's workers
+    (SPEC §17), behind the same token as ``/metrics``."""
+    rt = runtime.current()
+    if not await _metrics_allowed(scope, send):
+        return
+    body, refusals = await rt.federation.render()
+    for worker_id, refusal in refusals:
+        worker = rt.relay.registry.workers.get(worker_id)
+        if worker is not None and worker.attached:
+            worker.link.send(refusal)
+    await _send_metrics(send, body)
+
+
+async def _metrics_allowed(scope: Scope, send: Send) -> bool:
+    token = runtime.current().metrics_token
     if token:
         given = header(scope, b"authorization") or b""
         if not hmac.compare_digest(given, b"Bearer " + token.encode()):
             await send_simple(send, 403, [(b"content-type", b"text/plain")], b"forbidden\n")
-            return
-    body = rt.metrics.render()
+            return False
+    return True
+
+
+async def _send_metrics(send: Send, body: bytes) -> None:
     headers = [
         (b"content-type", CONTENT_TYPE.encode()),
         (b"content-length", str(len(body)).encode()),

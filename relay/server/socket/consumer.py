@@ -29,6 +29,7 @@ from relay.server import runtime
 from relay.wire.errors import ProtocolError, describe
 from relay.wire.protocol import (
     Error,
+    MetricsSample,
     ModelsUpdate,
     Pong,
     Register,
@@ -267,8 +268,16 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                     logger.warning("worker %s models_update: %s", worker.name, warning)
             case Error():
                 relay.on_worker_error(worker, msg)
+            case MetricsSample():
+                self._metrics(worker, msg)
             case Register():
                 self._violation("duplicate register")
+
+    def _metrics(self, worker: Worker, msg: MetricsSample) -> None:
+        refused = runtime.current().federation.receive(worker.id, worker.name, worker.provider, msg)
+        if refused is not None and worker.attached:
+            logger.warning("worker %s: metrics sample dropped: %s", worker.name, refused.reason)
+            worker.link.send(refused)
 
     async def _register(self, msg: Register) -> None:
         rt = runtime.current()
@@ -366,6 +375,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         try:
             if worker is not None:
                 runtime.current().relay.detach_worker(worker, reason)
+                runtime.current().federation.forget(worker.id)
             if link is not None:
                 await link.aclose()
         except Exception:

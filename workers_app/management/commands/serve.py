@@ -18,6 +18,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from modelrelay_site.logformat import JsonFormatter
 from modelrelay_site.servers import SERVERS
 from relay import __version__
 from relay.core.credentials import PREFIX_LEN
@@ -144,5 +145,25 @@ class Command(BaseCommand):
             f"wizard shows the install command;\n  the worker is also served as one file at "
             f"{public}/setup/worker.pyz"
         )
+        if settings.LOG_FORMAT == "json":
+            # One object like every other line, its parts as fields a log pipeline can
+            # read; written whatever LOG_LEVEL says, like the text banner.
+            record = logging.makeLogRecord(
+                {
+                    "name": logger.name,
+                    "levelno": logging.INFO,
+                    "levelname": "INFO",
+                    "msg": f"{lines[0]}: {lines[1]}",
+                    "version": __version__,
+                    "server": server,
+                    "listen": f"{host}:{port}",
+                    "public_url": public,
+                    "provider": boot.provider.name,
+                    "banner": "\n".join(lines[2:]),
+                }
+            )
+            self.stdout.write(JsonFormatter().format(record))
+            self.stdout.flush()
+            return
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
