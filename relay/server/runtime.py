@@ -46,6 +46,8 @@ logger = logging.getLogger("relay.runtime")
 #: The close reason workers see when an operator rotates their provider's secret and
 #: disconnects them.
 SECRET_ROTATED = providers.SECRET_ROTATED
+#: How long a stopping runtime waits for its background tasks to end.
+STOP_TASKS_SECS = 5.0
 
 
 def relay_config() -> RelayConfig:
@@ -384,14 +386,21 @@ class Runtime:
     async def aclose(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._tasks:
+            # Bounded: a task that does not stop must not keep the process from exiting.
+            _, stuck = await asyncio.wait(self._tasks, timeout=STOP_TASKS_SECS)
+            for task in stuck:
+                logger.warning("%s did not stop within %s s", _name(task), STOP_TASKS_SECS)
         for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                logger.error("%s failed", _name(task), exc_info=task.exception())
         self._tasks.clear()
         self.federation.close()
         await self.relay.aclose()
+
+
+def _name(task: asyncio.Task[Any]) -> str:
+    return getattr(task.get_coro(), "__qualname__", task.get_name())
 
 
 _current: Runtime | None = None

@@ -472,3 +472,16 @@ async def test_a_process_with_other_credentials_stays_out_and_says_so(
             assert (await health(client, a))["cluster"]["state"] == "ok"
             models = {m["id"] for m in (await client.get(a.url + "/v1/models")).json()["data"]}
             assert "rogue-model" not in models
+
+
+def test_a_process_stopped_while_it_joins_the_cluster_exits_by_itself(relay_server_factory):
+    """SIGTERM right after the server listens, while its first tick is under way: the
+    control loops stop even when the cancellation meets a Redis call (it used to be
+    swallowed there: the process kept ticking until it was killed). Several starts, as
+    the first tick and the signal race."""
+    env = {**FAST, "REDIS_URL": "redis://127.0.0.1:6379/0"}
+    for _ in range(4):
+        with cluster(relay_server_factory, 1, **env) as (server,):
+            assert server.process is not None
+            server.signal(signal.SIGTERM)
+            assert server.process.wait(timeout=10) == 0, server.log()

@@ -36,6 +36,7 @@ from redis.exceptions import RedisError
 
 from relay.core import snapshot
 from relay.core.relay import Relay
+from relay.server.cluster.convergence import stop_if_cancelled
 
 logger = logging.getLogger("relay.cluster")
 
@@ -84,6 +85,7 @@ class Cluster:
                 except Exception as exc:
                     level = logging.WARNING if isinstance(exc, TROUBLE) else logging.ERROR
                     logger.log(level, "cluster control loop failed (%s); restarting it", exc)
+                stop_if_cancelled()
                 if asyncio.get_running_loop().time() - started > 2 * PUBLISH_EVERY:
                     delay = RETRY_SECS  # it ran for a while: start over quickly
                 await asyncio.sleep(delay)

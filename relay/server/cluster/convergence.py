@@ -304,6 +304,7 @@ class Convergence:
                     if not isinstance(exc, TROUBLE):
                         logger.exception("cluster control loop failed; restarting it")
                     self._trouble(exc)
+                stop_if_cancelled()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.tick)
         finally:
@@ -325,6 +326,7 @@ class Convergence:
                     listener = await self._subscribe()
                 self._poke.clear()
                 await self._tick()
+                stop_if_cancelled()
                 poked = asyncio.ensure_future(self._poke.wait())
                 try:
                     await asyncio.wait(
@@ -372,3 +374,12 @@ class Convergence:
         if self.lean is not None:
             await self.lean.aclose()
         await self.redis.aclose()
+
+
+def stop_if_cancelled() -> None:
+    """Raise when the running task was asked to stop: a cancellation that arrives during
+    a Redis call can be swallowed on its way up (a server stopped while it was joining
+    kept ticking and never exited), so the control loops check for one themselves."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
