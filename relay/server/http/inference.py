@@ -51,7 +51,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             body = raw.decode()
         except UnicodeDecodeError:
             raise BadRequest("Request body must be UTF-8 encoded JSON") from None
-        model, stream, tier = read_head(raw)
+        head = read_head(raw)
+        model, stream, tier = head.model, head.stream, head.service_tier
         if len(model) > rt.config.max_model_name_len:
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
         wanted = classes.asked(header(scope, b"x-priority"), tier)
@@ -83,6 +84,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             key_id=key_id,
             ticket=ticket,
             service_class=rt.service_class(key_id, wanted),
+            prompt=head.prompt,
         )
     except RelayError as err:  # already counted by the core
         if ticket is not None:
