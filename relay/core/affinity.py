@@ -28,15 +28,36 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import msgspec
 import xxhash
 
 if TYPE_CHECKING:
-    from relay.core.state import RelayRequest, Worker
     from relay.wire.protocol import TokenCounts
+
+
+class Worker(Protocol):
+    """What routing reads of a worker (:class:`relay.core.state.Worker`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def load(self) -> int: ...
+
+
+W = TypeVar("W", bound=Worker)
+
+
+class RelayRequest(Protocol):
+    """What routing reads of a request (:class:`relay.core.state.RelayRequest`)."""
+
+    affinity: Affinity | None
+
 
 Policy = Literal["cache_aware", "least_load"]
 POLICIES: tuple[Policy, ...] = ("cache_aware", "least_load")
@@ -94,7 +115,7 @@ class AffinityConfig:
     #: The bounded-load guard (AFFINITY_LOAD_FACTOR): a worker takes a request for
     #: its cache while its load stays within this factor of the mean.
     load_factor: float = 1.25
-    #: The session header (AFFINITY_SESSION_HEADER), lower case.
+    #: The session header (AFFINITY_SESSION_HEADER), lower case; the edge reads it.
     session_header: str = "x-session-id"
 
 
@@ -140,13 +161,14 @@ class Affinity:
 
 
 def affinity_of(
-    prompt: Prompt | None, model: str, headers: dict[str, str], config: AffinityConfig
+    prompt: Prompt | None, model: str, session: str | None, config: AffinityConfig
 ) -> Affinity | None:
-    """The affinity of a request (None: nothing to route by)."""
+    """The affinity of a request (None: nothing to route by); ``session`` is the value
+    of its session header."""
     seed = _hash(model.encode())
     explicit = prompt.prompt_cache_key if prompt is not None else None
     if not isinstance(explicit, str) or not explicit:
-        explicit = headers.get(config.session_header) or None
+        explicit = session or None
     key = _hash(explicit[:MAX_KEY_CHARS].encode(), seed) if explicit else None
     if prompt is None:
         return None if key is None else Affinity(key, [], seed)
@@ -213,12 +235,10 @@ class Router:
     def enabled(self) -> bool:
         return self.config.policy == "cache_aware"
 
-    def affinity(
-        self, prompt: Prompt | None, model: str, headers: dict[str, str]
-    ) -> Affinity | None:
+    def affinity(self, prompt: Prompt | None, model: str, session: str | None) -> Affinity | None:
         if not self.enabled:
             return None
-        return affinity_of(prompt, model, headers, self.config)
+        return affinity_of(prompt, model, session, self.config)
 
     # -- choosing ---------------------------------------------------------------------
 
@@ -237,12 +257,12 @@ class Router:
                 hi = mid - 1
         return lo
 
-    def bound(self, workers: list[Worker]) -> int:
+    def bound(self, workers: Sequence[Worker]) -> int:
         """The most load a worker may have after taking one more request."""
         total = sum(w.load for w in workers) + 1
         return math.ceil(self.config.load_factor * total / len(workers))
 
-    def choose(self, request: RelayRequest, workers: list[Worker]) -> Worker | None:
+    def choose(self, request: RelayRequest, workers: Sequence[W]) -> W | None:
         """The worker ``request`` should go to among ``workers`` (all can take it now),
         or None: least-load decides. Records the decision on the request."""
         affinity: Affinity | None = request.affinity
@@ -260,7 +280,7 @@ class Router:
                             return worker
                         guarded = True
                         break
-        best: Worker | None = None
+        best: W | None = None
         best_depth = 0
         if affinity.blocks:
             for worker in workers:
@@ -377,6 +397,7 @@ class Router:
             "predicted_hits_confirmed": confirmed,
             "predicted_hits_refuted": refuted,
             "blocks": sum(len(h) for h in self._held.values()),
+            "blocks_by_worker": {wid: len(h) for wid, h in self._held.items()},
             "keys": len(self._keys),
             "workers": {
                 name: {

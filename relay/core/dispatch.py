@@ -100,6 +100,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         ticket: Ticket | None = None,
         service_class: str = DEFAULT,
         prompt: Prompt | None = None,
+        session: str | None = None,
     ) -> RelayRequest:
         """Admit a client request: assign it now, queue it, or raise a RelayError.
 
@@ -113,7 +114,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         class (SPEC §15), kept on the request.
 
         ``prompt`` is what cache-aware routing reads of the body (SPEC §14), decoded
-        by the edge with the model; without it only an explicit session header counts.
+        by the edge with the model, and ``session`` its session header's value.
         """
         request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:
@@ -146,7 +147,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         request.service_class = service_class
         request.rank = RANK[service_class]
         if self.router.enabled:
-            request.affinity = self.router.affinity(prompt, model, headers)
+            request.affinity = self.router.affinity(prompt, model, session)
         if self.clustered:
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.

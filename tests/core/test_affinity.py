@@ -40,8 +40,9 @@ def send(
         flavor="openai",
         is_streaming=False,
         body=body,
-        headers=headers or {},
+        headers={},
         prompt=msgspec.json.decode(body, type=Prompt),
+        session=(headers or {}).get("x-session-id"),
     )
 
 
@@ -207,9 +208,7 @@ def test_memory_stays_bounded_under_churn_of_distinct_prompts():
             flavor="openai", is_streaming=False, body="", headers={}, key_id=None,
             created_wall=0.0, now=0.0, deadline=1.0,
         )  # fmt: skip
-        request.affinity = router.affinity(
-            msgspec.json.decode(body, type=Prompt), "m", {"x-session-id": f"k{n}"}
-        )
+        request.affinity = router.affinity(msgspec.json.decode(body, type=Prompt), "m", f"k{n}")
         router.assigned(request, workers[n % 4])
         if n in (3_000, 7_999):
             sizes.append(tracemalloc.get_traced_memory()[0])
@@ -233,7 +232,7 @@ def test_every_prompt_shape_is_cut_into_blocks_and_a_longer_turn_extends_them(pa
 
     def of(doc: dict) -> list[int]:
         raw = json.dumps({"model": "m", **doc})
-        affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", {}, config)
+        affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", None, config)
         assert affinity is not None
         return affinity.blocks
 
@@ -247,7 +246,7 @@ def test_every_prompt_shape_is_cut_into_blocks_and_a_longer_turn_extends_them(pa
         longer[key] += "y" * 200
     extended = of(longer)
     assert extended[: len(blocks) - 1] == blocks[:-1] and len(extended) > len(blocks)
-    other_model = affinity_of(msgspec.json.decode(json.dumps(body), type=Prompt), "n", {}, config)
+    other_model = affinity_of(msgspec.json.decode(json.dumps(body), type=Prompt), "n", None, config)
     assert other_model is not None and not set(other_model.blocks) & set(blocks)
 
 
@@ -255,14 +254,14 @@ def test_the_anchor_names_a_conversation_not_its_shared_system_prompt():
     config = AffinityConfig(block_bytes=BLOCK)
 
     def anchor(body: str) -> str:
-        affinity = affinity_of(msgspec.json.decode(body, type=Prompt), "m", {}, config)
+        affinity = affinity_of(msgspec.json.decode(body, type=Prompt), "m", None, config)
         assert affinity is not None
         return affinity.anchor()
 
     one = conversation(1)
     assert anchor(chat(one[:1])) == anchor(chat(one[:5]))
     assert anchor(chat(one[:1])) != anchor(chat(conversation(2)[:1]))
-    keyed = affinity_of(None, "m", {"x-session-id": "abc"}, config)
+    keyed = affinity_of(None, "m", "abc", config)
     assert keyed is not None and keyed.anchor() == anchor(
         json.dumps({"model": "m", "prompt_cache_key": "abc", "messages": []})
     )
@@ -271,5 +270,5 @@ def test_the_anchor_names_a_conversation_not_its_shared_system_prompt():
 def test_a_body_of_unexpected_shape_gets_no_blocks_and_no_error():
     config = AffinityConfig(block_bytes=BLOCK)
     prompt = msgspec.json.decode(b'{"model": "m", "messages": 5}', type=Prompt)
-    affinity = affinity_of(prompt, "m", {}, config)
+    affinity = affinity_of(prompt, "m", None, config)
     assert affinity is not None and affinity.blocks == [] and affinity.anchor()

@@ -85,6 +85,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             ticket=ticket,
             service_class=rt.service_class(key_id, wanted),
             prompt=head.prompt,
+            session=_session(scope, rt.config.affinity.session_header),
         )
     except RelayError as err:  # already counted by the core
         if ticket is not None:
@@ -92,6 +93,12 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         await send_error(send, err, flavor, cors)
         return
     await respond(relay, request, receive, send, cors or [])
+
+
+def _session(scope: Scope, name: str) -> str | None:
+    """The session header's value (SPEC §14); not forwarded to the backend."""
+    value = header(scope, name.encode("latin-1"))
+    return value.decode("latin-1") if value else None
 
 
 async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
