@@ -9,7 +9,6 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -54,13 +53,15 @@ class Rig:
         return self.client.get("/admin/stats", headers=headers).json()["routing"]
 
 
-@pytest.fixture
-def rig(tmp_path: Path) -> Iterator[Rig]:
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """One server and two workers for the whole module (each test its own
+    conversations; the test that stops a worker comes last)."""
     with ExitStack() as stack:
         pool = stack.enter_context(caching_upstreams(2, model=MODEL))
         server = stack.enter_context(
             live_server(
-                tmp_path / "server",
+                tmp_path_factory.mktemp("affinity") / "server",
                 MODELRELAY_ADMIN_TOKEN=ADMIN,
                 AFFINITY_BLOCK_BYTES="64",
                 AFFINITY_SESSION_HEADER=SESSION_HEADER,
@@ -87,6 +88,7 @@ def conversation(n: int, turns: int, replies: list[str]) -> dict[str, Any]:
 
 
 def test_turns_follow_their_worker_and_backends_confirm_the_hits(rig: Rig):
+    before = len(rig.pool.served)
     replies: dict[int, list[str]] = {n: [] for n in range(4)}
     homes: dict[int, list[int]] = {n: [] for n in range(4)}
     for turn in range(1, 5):
@@ -96,38 +98,43 @@ def test_turns_follow_their_worker_and_backends_confirm_the_hits(rig: Rig):
             homes[n].append(rig.upstream_of(json.dumps(body).encode()))
     assert all(len(set(h)) == 1 for h in homes.values()), homes
     assert {h[0] for h in homes.values()} == {0, 1}  # new conversations spread
-    later = [s for s in rig.pool.served if s.cached_tokens > 0]
-    assert len(later) == 4 * 3  # every turn after the first reused its prefix
+    mine = rig.pool.served[before:]
+    # Every turn after the first reused its prefix.
+    assert [s.cached_tokens > 0 for s in mine] == [False] * 4 + [True] * 12
     stats = rig.stats()
     assert stats["policy"] == "cache_aware"
     assert stats["decisions"]["hit"] == 12 and stats["decisions"]["miss"] == 4
     assert stats["predicted_hits_confirmed"] == 12 and stats["predicted_hits_refuted"] == 0
     reported = sum(w["reported_cached_tokens"] for w in stats["workers"].values())
-    assert reported == sum(s.cached_tokens for s in rig.pool.served)
+    assert reported == sum(s.cached_tokens for s in mine)
     metrics = rig.client.get("/metrics").text
     assert 'modelrelay_affinity_decisions_total{decision="hit"} 12.0' in metrics
-    assert "modelrelay_affinity_reported_cached_tokens_total{worker=" in metrics
+    assert 'modelrelay_affinity_reported_cached_tokens_total{worker="box-' in metrics
 
 
 def test_prompt_cache_key_and_the_session_header_win_over_the_prompt(rig: Rig):
-    first = conversation(1, 2, ["Earlier reply."])
+    first = conversation(11, 2, ["Earlier reply."])
     rig.chat(first | {"prompt_cache_key": "alpha"})
     home = rig.upstream_of(json.dumps(first | {"prompt_cache_key": "alpha"}).encode())
-    other_body = conversation(2, 1, [])
-    rig.chat(other_body, {SESSION_HEADER: "beta"})
-    other = rig.upstream_of(json.dumps(other_body).encode())
+    for i in range(4):  # new conversations alternate: find one on the other worker
+        session = f"beta-{i}"
+        other_body = conversation(20 + i, 1, [])
+        rig.chat(other_body, {SESSION_HEADER: session})
+        other = rig.upstream_of(json.dumps(other_body).encode())
+        if other != home:
+            break
     assert other != home
     # The first conversation's prompt (its blocks are on ``home``) under beta's names.
-    keyed = first | {"prompt_cache_key": "beta"}
+    keyed = first | {"prompt_cache_key": session}
     rig.chat(keyed)
     assert rig.upstream_of(json.dumps(keyed).encode()) == other
-    first_again = conversation(1, 2, ["Earlier reply."]) | {"temperature": 0.5}
-    rig.chat(first_again, {SESSION_HEADER: "beta"})
+    first_again = conversation(11, 2, ["Earlier reply."]) | {"temperature": 0.5}
+    rig.chat(first_again, {SESSION_HEADER: session})
     assert rig.upstream_of(json.dumps(first_again).encode()) == other
 
 
 def test_the_guard_spills_one_hot_conversation_to_the_other_worker(rig: Rig):
-    body = conversation(7, 1, [])
+    body = conversation(17, 1, [])
     rig.chat(body)
     home = rig.upstream_of(json.dumps(body).encode())
     rig.pool.hold()
@@ -153,25 +160,27 @@ def test_the_guard_spills_one_hot_conversation_to_the_other_worker(rig: Rig):
     assert 0 < where[home] <= math.ceil(1.25 * 6 / 2)
     assert where[1 - home] >= 2
     assert rig.stats()["decisions"]["guard"] >= 1
+    poll(lambda: rig.pool.in_flight() == 0, what="the burst to end")
 
 
 def test_a_backend_reporting_misses_and_a_worker_leaving_lose_their_entries(rig: Rig):
-    body = conversation(3, 2, ["Some reply."])
+    body = conversation(13, 2, ["Some reply."])
     rig.chat(body)
     home = rig.upstream_of(json.dumps(body).encode())
+    before = rig.stats()
     rig.pool.upstreams[home].cache.blocks.clear()  # the backend restarted: cache gone
     again = body | {"user": "after-restart"}
     rig.chat(again)
     assert rig.upstream_of(json.dumps(again).encode()) == home
-    stats = rig.stats()
-    assert stats["predicted_hits_refuted"] == 1
-    worker_ids = list(stats["blocks_by_worker"])
-    assert len(worker_ids) == 1
-    # Only the turn's newest blocks are left there: the refuted prefix is gone.
-    third = body | {"user": "third"}
-    rig.chat(third)
-    assert rig.stats()["decisions"]["miss"] == 2
-    # The worker leaves: everything it held goes with it.
+    after = rig.stats()
+    assert after["predicted_hits_refuted"] == before["predicted_hits_refuted"] + 1
+    # The refuted prefix is gone from that worker: the next turn is a new conversation.
+    rig.chat(body | {"user": "third"})
+    assert rig.stats()["decisions"]["miss"] == after["decisions"]["miss"] + 1
+    # A worker leaves: everything it held goes with it.
+    held = rig.stats()["blocks_by_worker"]
+    assert len(held) == 2
     rig.workers[home].stop()
     poll(lambda: workers_connected(rig.server) == 1, what="the worker to leave")
-    assert worker_ids[0] not in rig.stats()["blocks_by_worker"]
+    left = rig.stats()["blocks_by_worker"]
+    assert len(left) == 1 and left.items() <= held.items()
