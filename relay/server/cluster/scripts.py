@@ -72,8 +72,12 @@ local origin, deadline = ARGV[7], tonumber(ARGV[8])
 local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local lane, weight = ARGV[12], tonumber(ARGV[13])
 local own_lease_ms, class = tonumber(ARGV[14]), ARGV[15]
+-- Cache-aware routing (SPEC §14): the conversation's anchor ('' for none) and the
+-- bounded-load guard's factor. Every process ranks the live workers the same way.
+local anchor, factor = ARGV[16] or '', tonumber(ARGV[17] or '1.25')
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties, near = nil, {}, {}
+local open, total = {}, 0
 for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
   local w = live(P, wid, model)
   if not w then
@@ -83,6 +87,8 @@ for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
     redis.call('ZREMRANGEBYSCORE', leases, '-inf', now)
     local load = redis.call('ZCARD', leases)
     if load < tonumber(w[2]) then
+      table.insert(open, {wid, load})
+      total = total + load
       if best == nil or load < best then
         best, ties, near = load, {}, {}
       end
@@ -98,26 +104,47 @@ end
 if seq == 0 then
   seq = redis.call('INCR', P .. ':seq')
 end
-if #ties > 0 then
-  local pool = ties
-  if #near > 0 then
-    pool = near
+local chosen, spilled = nil, '0'
+if anchor ~= '' and #open > 0 then
+  -- Rendezvous: the highest hash of (anchor, worker) within the guard wins.
+  local bound = math.ceil(factor * (total + 1) / #open)
+  local top = nil
+  for _, c in ipairs(open) do
+    local score = redis.sha1hex(anchor .. '|' .. c[1])
+    if top == nil or score > top then
+      top = score
+      spilled = (c[2] + 1 > bound) and '1' or '0'
+    end
+    if c[2] + 1 <= bound and (chosen == nil or score > chosen[2]) then
+      chosen = {c[1], score}
+    end
   end
-  table.sort(pool)
-  local turn = redis.call('INCR', P .. ':rr:' .. provider)
-  local wid = pool[(turn % #pool) + 1]
+end
+if #ties > 0 then
+  local wid
+  if chosen then
+    wid = chosen[1]
+  else
+    local pool = ties
+    if #near > 0 then
+      pool = near
+    end
+    table.sort(pool)
+    local turn = redis.call('INCR', P .. ':rr:' .. provider)
+    wid = pool[(turn % #pool) + 1]
+  end
   local proc = redis.call('HGET', P .. ':w:' .. wid, 'proc')
   if proc == origin then  -- the request is there already: held until its deadline
     lease_ms = own_lease_ms
   end
   redis.call('ZADD', P .. ':l:' .. wid, now + lease_ms, lease)
-  return {'placed', wid, proc, redis.call('GET', P .. ':proc:' .. proc) or '', seq}
+  return {'placed', wid, proc, redis.call('GET', P .. ':proc:' .. proc) or '', seq, spilled}
 end
 local queue = P .. ':q:' .. provider
 -- The bound is per class: a flood of bulk work never gets people refused.
 if max_queue >= 0 and tonumber(redis.call('HGET', P .. ':qk:' .. provider, class) or '0')
     >= max_queue then
-  return {'full', '', '', '', seq}
+  return {'full', '', '', '', seq, '0'}
 end
 if redis.call('ZADD', queue, seq, lease) == 1 then
   redis.call('HINCRBY', P .. ':qm:' .. provider, model, 1)
@@ -140,7 +167,7 @@ redis.call('ZADD', lane_key, seq, lease)
 redis.call('HSET', P .. ':qe:' .. lease, 'model', model, 'origin', origin, 'deadline', deadline,
            'plain', plain, 'lane', lane, 'class', class, 'at', now)
 redis.call('PEXPIREAT', P .. ':qe:' .. lease, deadline)
-return {'queued', '', '', '', seq}
+return {'queued', '', '', '', seq, '0'}
 """
 )
 

@@ -147,7 +147,9 @@ class ClusterState:
         lane: str = "default:anon",
         weight: int = 1,
         service_class: str = "default",
-    ) -> tuple[str, Placed | None, int]:
+        anchor: str = "",
+        load_factor: float = 1.25,
+    ) -> tuple[str, Placed | None, int, bool]:
         """Reserve the least-loaded slot for ``model`` or queue ``entry`` at the back of
         ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
 
@@ -175,11 +177,13 @@ class ClusterState:
                 weight,
                 hold_ms,
                 service_class,
+                anchor,
+                load_factor,
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])
         placed = Placed(worker, owner, address) if kind == "placed" else None
-        return kind, placed, int(reply[4])
+        return kind, placed, int(reply[4]), self.decode(reply[5]) == "1"
 
     async def release(
         self, worker_id: str, lease: str, now_ms: int, aging_ms: int = 0
