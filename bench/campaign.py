@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import batches, big_box, classes, cluster, limits, peers, scenarios, targets
+from bench import affinity, batches, big_box, classes, cluster, limits, peers, scenarios, targets
 from bench.procs import Processes
 from bench.profiler import Profiler, find_py_spy
 from bench.targets import RELAYS, ROOT
@@ -56,6 +56,9 @@ def settings(quick: bool) -> dict[str, Any]:
             "j_seconds": 6.0,
             "j_slots": 4,
             "j_trickle": 2.0,
+            **AFFINITY,
+            "k_distinct": 200,
+            "k_index_rounds": 300,
         }
     return {
         "a_seconds": 10,
@@ -85,7 +88,22 @@ def settings(quick: bool) -> dict[str, Any]:
         "j_seconds": 30.0,
         "j_slots": 4,
         "j_trickle": 2.0,
+        **AFFINITY,
     }
+
+
+#: (k) cache-aware routing: the workload and the caching fake backends (bench/affinity.py).
+AFFINITY: dict[str, Any] = {
+    "k_conversations": 16,
+    "k_turns": 6,
+    "k_user_bytes": 1000,
+    "k_cost_us": 20.0,
+    "k_cache_blocks": 2048,
+    "k_distinct": 400,
+    "k_distinct_bytes": 4000,
+    "k_index_rounds": 1000,
+    "k_memory_conversations": 100_000,
+}
 
 
 def cpu_set(spec: str) -> set[int]:
@@ -320,6 +338,9 @@ class Campaign:
         if "j" in only:
             self.log("priority classes (flex at 3x capacity, a default trickle):")
             self.res["classes"] = classes.run(self.procs, self.workdir, self.s, self.log)
+        if "k" in only:
+            self.log("cache-aware routing (caching fake backends):")
+            self.res["affinity"] = affinity.run(self.procs, self.workdir, self.s, self.log)
         if "e" in only:
             for name in names:
                 if name in RELAYS:

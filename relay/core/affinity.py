@@ -5,10 +5,10 @@ Each request gets an :class:`Affinity` when it is admitted: the hash of an expli
 (OpenAI's ``prompt_cache_key``, else the session header) and the chained hashes of
 fixed-size blocks of its canonical prompt (system or instructions, tools, then the
 messages, input or prompt, each as the client's JSON; seeded with the model). No
-tokenizer: a block is ``block_bytes`` of that JSON, and a block hash names the whole
-prefix that ends with it, so two prompts share block *i* only if they share
-everything before it. A collision (xxh3, 64 bits) only ever changes where a request
-goes.
+tokenizer: a block is ``block_bytes`` of that JSON (a part's last block may be
+shorter), and a block hash names the whole prefix that ends with it, so two prompts
+share block *i* only if they share everything before it. A collision (xxh3, 64 bits)
+only ever changes where a request goes.
 
 :class:`Router` keeps, per worker, an LRU of the blocks it was last sent (at most
 ``worker_blocks``; the prefix blocks of a chain are touched last, so a worker's
@@ -176,13 +176,21 @@ def affinity_of(
     body = prompt.messages or prompt.input or prompt.prompt
     if key is None and not head and not body:
         return None
-    canon = _SEP.join([*head, body]) if head else bytes(body)
+    # The parts are hashed in order without being joined (no copy of the prompt): each
+    # leading part is cut into blocks, its last one short; the body into full blocks
+    # only, since its tail grows with every turn.
     blocks: list[int] = []
     size = config.block_bytes
-    end = min(len(canon) // size, config.max_prompt_blocks) * size
-    view = memoryview(canon)
+    room = config.max_prompt_blocks
     h = seed
-    for start in range(0, end, size):
+    for part in head:
+        view = memoryview(part)
+        for start in range(0, min(len(view), room * size), size):
+            h = _hash(view[start : start + size], h)
+            blocks.append(h)
+        room = config.max_prompt_blocks - len(blocks)
+    view = memoryview(body)
+    for start in range(0, min(len(view) // size, room) * size, size):
         h = _hash(view[start : start + size], h)
         blocks.append(h)
     return Affinity(key, blocks, seed, (head, body))
