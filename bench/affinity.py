@@ -11,7 +11,7 @@ cores). Measured, through one daphne process and 2 or 4 ``worker.py``:
   *pinned* (each conversation straight to one backend, no relay): prompt tokens the
   backends recomputed per turn, and mean time to first token;
 - *no shared prefix*: single turns with distinct prompts, a closed loop of 16: req/s
-  and mean TTFT under both policies;
+  and mean TTFT under both policies (both servers live, alternating rounds);
 - *skew*: one conversation sends four turns at a time beside the others: the most
   requests its backend ran against the guard's bound at each of its arrivals;
 - the share of predicted hits the backends confirmed (``/admin/stats``);
@@ -47,7 +47,7 @@ from bench.targets import ROOT, WORKER_SECRET, project_python, start_server, wai
 MODEL = "mock-model"
 CHAT = "/v1/chat/completions"
 ADMIN = "bench-admin-token"
-SYSTEM = "You are a careful coding agent. Follow the repository's conventions. " * 30
+SYSTEM = "You are a careful coding agent. Follow the repository's conventions. " * 58
 
 
 def _start_workers(procs: Processes, url: str, backends: list[str], label: str) -> None:
@@ -112,13 +112,15 @@ async def _conversations(
             messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
             for t in range(turns):
                 lanes = hot if n == 0 else 1
+                # The first turn carries the task and its context; later ones are short.
+                size = 4 * user_bytes if t == 0 else user_bytes
                 bodies = [
                     {
                         "model": MODEL,
                         "stream": True,
                         "messages": [
                             *messages,
-                            {"role": "user", "content": _user(n, t * 10 + k, user_bytes)},
+                            {"role": "user", "content": _user(n, t * 10 + k, size)},
                         ],
                     }
                     for k in range(lanes)
@@ -242,7 +244,11 @@ def _policies(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> d
         row: dict[str, Any] = {}
         for policy in ("least_load", "cache_aware", "pinned"):
             with caching_upstreams(
-                workers, model=MODEL, cost_per_token=cost, capacity_blocks=s["k_cache_blocks"]
+                workers,
+                model=MODEL,
+                cost_per_token=cost,
+                capacity_blocks=s["k_cache_blocks"],
+                reply_tokens=48,
             ) as pool:
                 backends = [up.url for up in pool.upstreams]
                 if policy == "pinned":
@@ -267,22 +273,54 @@ def _policies(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> d
                 result["predicted_hits_confirmed_share"] = (
                     round(routing["predicted_hits_confirmed"] / checked, 4) if checked else None
                 )
-                if workers == 2:
-                    log("    no shared prefix (distinct single turns)")
-                    result["distinct"] = asyncio.run(
-                        _distinct(url, s["k_distinct"], 16, s["k_distinct_bytes"])
+                if workers == 2 and policy == "cache_aware":
+                    log("    skew: one conversation four turns at a time")
+                    skewed = _multi_turn(_always(url), pool, s, hot=4)
+                    result["skew"] = _skew(skewed.pop("_served"), workers, 1.25)
+                    result["skew"]["guard_decisions"] = (
+                        _routing(url)["decisions"]["guard"] - routing["decisions"]["guard"]
                     )
-                    if policy == "cache_aware":
-                        log("    skew: one conversation four turns at a time")
-                        skewed = _multi_turn(_always(url), pool, s, hot=4)
-                        result["skew"] = _skew(skewed.pop("_served"), workers, 1.25)
-                        result["skew"]["guard_decisions"] = (
-                            _routing(url)["decisions"]["guard"] - routing["decisions"]["guard"]
-                        )
                 row[policy] = result
                 procs.stop_all()
         out[f"workers_{workers}"] = row
     return out
+
+
+def _distinct_phase(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[str, Any]:
+    """Both policies live at once (2 workers each), measured in alternating rounds so
+    that other work on the machine falls on both alike; the best round of each."""
+    from tests.cacheupstream import caching_upstreams
+
+    log("  no shared prefix: distinct single turns, both policies in alternating rounds")
+    cost = s["k_distinct_cost_us"] / 1e6
+    rounds: dict[str, list[dict[str, float]]] = {"least_load": [], "cache_aware": []}
+    with (
+        caching_upstreams(2, model=MODEL, cost_per_token=cost) as least_pool,
+        caching_upstreams(2, model=MODEL, cost_per_token=cost) as aware_pool,
+    ):
+        urls = {}
+        for policy, pool in (("least_load", least_pool), ("cache_aware", aware_pool)):
+            label = f"distinct-{policy}"
+            server, url = start_server(
+                procs, workdir, f"k-{label}", None, "daphne", **_server_env(policy)
+            )
+            _start_workers(procs, url, [up.url for up in pool.upstreams], label)
+            wait_workers(url, 2, server, timeout=90)
+            urls[policy] = url
+        for _ in range(s["k_distinct_rounds"]):
+            for policy, url in urls.items():
+                rounds[policy].append(
+                    asyncio.run(_distinct(url, s["k_distinct"], 16, s["k_distinct_bytes"]))
+                )
+        procs.stop_all()
+    return {
+        policy: {
+            "req_per_sec": max(r["req_per_sec"] for r in runs),
+            "ttft_ms": min(r["ttft_ms"] for r in runs),
+            "rounds": runs,
+        }
+        for policy, runs in rounds.items()
+    }
 
 
 def _cluster(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[str, Any]:
@@ -298,7 +336,9 @@ def _cluster(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> di
         "MODELRELAY_SECRET_PEPPER": secrets.token_urlsafe(32),
         "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
     }
-    with caching_upstreams(2, model=MODEL, cost_per_token=s["k_cost_us"] / 1e6) as pool:
+    with caching_upstreams(
+        2, model=MODEL, cost_per_token=s["k_cost_us"] / 1e6, reply_tokens=48
+    ) as pool:
         a, a_url = start_server(procs, workdir, "k-cluster-a", None, "daphne", **env)
         shared = {**env, "DATABASE_URL": f"sqlite:///{workdir / 'data-k-cluster-a' / 'db.sqlite3'}"}
         b, b_url = start_server(procs, workdir, "k-cluster-b", None, "daphne", **shared)
@@ -322,6 +362,7 @@ def _cluster(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> di
 
         result = _multi_turn(url_of, pool, s)
         served = result.pop("_served")
+        result["guard_decisions"] = sum(_routing(u)["decisions"]["guard"] for u in (a_url, b_url))
         procs.stop_all()
     homes: dict[int, list[int]] = {}
     for record in served:
@@ -437,6 +478,12 @@ def run(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[st
     out["index"] = _index_cost(s)
     out["memory"] = _index_memory(s)
     out["policies"] = _policies(procs, workdir, s, log)
+    out["distinct"] = _distinct_phase(procs, workdir, s, log)
+    if redis_reachable():
+        from bench.affinity_redis import measure
+
+        log("  Redis: the placement script with and without rendezvous; a shared index")
+        out["redis"] = measure(calls=s["k_redis_calls"])
     out["cluster"] = _cluster(procs, workdir, s, log)
     if shutil.which("llama-server") is None:
         out["llama_server"] = {"skipped": "no llama-server binary on this machine (not built)"}

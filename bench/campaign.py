@@ -58,7 +58,9 @@ def settings(quick: bool) -> dict[str, Any]:
             "j_trickle": 2.0,
             **AFFINITY,
             "k_distinct": 200,
+            "k_distinct_rounds": 2,
             "k_index_rounds": 300,
+            "k_redis_calls": 1000,
         }
     return {
         "a_seconds": 10,
@@ -96,13 +98,16 @@ def settings(quick: bool) -> dict[str, Any]:
 AFFINITY: dict[str, Any] = {
     "k_conversations": 16,
     "k_turns": 6,
-    "k_user_bytes": 1000,
-    "k_cost_us": 20.0,
+    "k_user_bytes": 500,
+    "k_cost_us": 200.0,
     "k_cache_blocks": 2048,
-    "k_distinct": 400,
+    "k_distinct": 300,
     "k_distinct_bytes": 4000,
+    "k_distinct_cost_us": 20.0,
+    "k_distinct_rounds": 3,
     "k_index_rounds": 1000,
     "k_memory_conversations": 100_000,
+    "k_redis_calls": 2000,
 }
 
 
