@@ -12,8 +12,9 @@ cores). Measured, through one daphne process and 2 or 4 ``worker.py``:
   backends recomputed per turn, and mean time to first token;
 - *no shared prefix*: single turns with distinct prompts, a closed loop of 16: req/s
   and mean TTFT under both policies (both servers live, alternating rounds);
-- *skew*: one conversation sends four turns at a time beside the others: the most
-  requests its backend ran against the guard's bound at each of its arrivals;
+- *skew*: one conversation sends four turns at a time beside others sending one, each
+  round held at the backends until all of it is in flight: what the hot conversation's
+  backend runs against the guard's bound;
 - the share of predicted hits the backends confirmed (``/admin/stats``);
 - *cluster*: two processes through Redis, one worker each, the turns of each
   conversation alternating between the processes: the share of turns served by the
@@ -26,6 +27,7 @@ cores). Measured, through one daphne process and 2 or 4 ``worker.py``:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
 import math
@@ -100,10 +102,9 @@ def _user(n: int, t: int, size: int) -> str:
 
 
 async def _conversations(
-    url_of: Any, count: int, turns: int, user_bytes: int, *, hot: int = 1
+    url_of: Any, count: int, turns: int, user_bytes: int, first_bytes: int
 ) -> list[float]:
-    """``count`` conversations of ``turns`` turns, all at once; conversation 0 sends
-    ``hot`` turns at a time (the same history, ``hot`` new messages). TTFTs."""
+    """``count`` conversations of ``turns`` turns, all at once. TTFTs."""
     ttfts: list[float] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
@@ -111,23 +112,13 @@ async def _conversations(
         async def one(n: int) -> None:
             messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
             for t in range(turns):
-                lanes = hot if n == 0 else 1
                 # The first turn carries the task and its context; later ones are short.
-                size = 4 * user_bytes if t == 0 else user_bytes
-                bodies = [
-                    {
-                        "model": MODEL,
-                        "stream": True,
-                        "messages": [
-                            *messages,
-                            {"role": "user", "content": _user(n, t * 10 + k, size)},
-                        ],
-                    }
-                    for k in range(lanes)
-                ]
-                results = await asyncio.gather(*(_turn(client, url_of(n), b) for b in bodies))
-                ttfts.extend(r[0] for r in results)
-                messages = [*bodies[0]["messages"], {"role": "assistant", "content": results[0][1]}]
+                size = first_bytes if t == 0 else user_bytes
+                messages.append({"role": "user", "content": _user(n, t, size)})
+                body = {"model": MODEL, "stream": True, "messages": messages}
+                ttft, reply = await _turn(client, url_of(n), body)
+                ttfts.append(ttft)
+                messages = [*messages, {"role": "assistant", "content": reply}]
 
         await asyncio.gather(*(one(n) for n in range(count)))
     return ttfts
@@ -175,10 +166,12 @@ def _routing(url: str) -> dict[str, Any]:
     return stats.json()["routing"]
 
 
-def _multi_turn(url_of: Any, pool: Any, s: dict[str, Any], hot: int = 1) -> dict[str, Any]:
+def _multi_turn(url_of: Any, pool: Any, s: dict[str, Any]) -> dict[str, Any]:
     before = len(pool.served)
     ttfts = asyncio.run(
-        _conversations(url_of, s["k_conversations"], s["k_turns"], s["k_user_bytes"], hot=hot)
+        _conversations(
+            url_of, s["k_conversations"], s["k_turns"], s["k_user_bytes"], s["k_first_bytes"]
+        )
     )
     served = pool.served[before:]
     out = _served_summary(served)
@@ -187,17 +180,59 @@ def _multi_turn(url_of: Any, pool: Any, s: dict[str, Any], hot: int = 1) -> dict
     return out
 
 
-def _skew(served: list[Any], workers: int, factor: float) -> dict[str, Any]:
-    """For the hot conversation's requests: its backend's running requests at arrival
-    against ceil(factor * all running / workers) (what the backends saw)."""
+def _skew_rounds(url: str, pool: Any, s: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """One conversation sends four turns at a time beside ``others`` sending one each.
+    Every round the backends hold their answers until all of the round's requests are
+    in flight, so what each backend runs is exactly what the relay placed on it; the hot
+    conversation's backend is checked against ceil(1.25 * in flight / workers)."""
+    others = s["k_skew_others"]
+    workers = len(pool.upstreams)
     worst = 0.0
     over = 0
-    hot = [s for s in served if b"conversation 0 turn" in s.body]
-    for s in hot:
-        bound = math.ceil(factor * sum(s.loads) / workers)
-        worst = max(worst, s.loads[s.index] / bound)
-        over += s.loads[s.index] > bound
-    return {"hot_requests": len(hot), "worst_load_over_bound": round(worst, 3), "over_bound": over}
+    history: dict[int, list[dict[str, str]]] = {
+        n: [{"role": "system", "content": f"Skew conversation {n}. " + SYSTEM}]
+        for n in range(others + 1)
+    }
+
+    async def round_(r: int) -> list[tuple[int, str]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            jobs = []
+            for n in range(others + 1):
+                for k in range(4 if n == 0 else 1):
+                    content = _user(n, r * 10 + k, s["k_user_bytes"])
+                    body = {
+                        "model": MODEL,
+                        "stream": True,
+                        "messages": [*history[n], {"role": "user", "content": content}],
+                    }
+                    jobs.append((n, _turn(client, url, body)))
+            results = await asyncio.gather(*(job for _, job in jobs))
+            return [(n, result[1]) for (n, _), result in zip(jobs, results, strict=True)]
+
+    for r in range(rounds):
+        before = len(pool.served)
+        pool.hold()
+        total = 4 + others
+        with concurrent.futures.ThreadPoolExecutor(1) as runner:
+            running = runner.submit(asyncio.run, round_(r))
+            deadline = time.monotonic() + 60
+            while pool.in_flight() < total and time.monotonic() < deadline:
+                time.sleep(0.01)
+            placed = [up.in_flight for up in pool.upstreams]
+            served = pool.served[before:]
+            pool.release()
+            replies = running.result(120)
+        hot_home = next(x.index for x in served if b"Skew conversation 0." in x.body)
+        bound = math.ceil(1.25 * sum(placed) / workers)
+        worst = max(worst, placed[hot_home] / bound)
+        over += placed[hot_home] > bound
+        for n, reply in replies[:1] + replies[4:]:
+            history[n] = [
+                *history[n],
+                {"role": "user", "content": _user(n, r * 10, s["k_user_bytes"])},
+                {"role": "assistant", "content": reply},
+            ]
+    return {"rounds": rounds, "worst_load_over_bound": round(worst, 3), "over_bound": over}
 
 
 def _pinned(backends: list[str]) -> Any:
@@ -275,8 +310,7 @@ def _policies(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> d
                 )
                 if workers == 2 and policy == "cache_aware":
                     log("    skew: one conversation four turns at a time")
-                    skewed = _multi_turn(_always(url), pool, s, hot=4)
-                    result["skew"] = _skew(skewed.pop("_served"), workers, 1.25)
+                    result["skew"] = _skew_rounds(url, pool, s, s["k_skew_rounds"])
                     result["skew"]["guard_decisions"] = (
                         _routing(url)["decisions"]["guard"] - routing["decisions"]["guard"]
                     )

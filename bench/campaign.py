@@ -97,8 +97,11 @@ def settings(quick: bool) -> dict[str, Any]:
 #: (k) cache-aware routing: the workload and the caching fake backends (bench/affinity.py).
 AFFINITY: dict[str, Any] = {
     "k_conversations": 16,
-    "k_turns": 6,
-    "k_user_bytes": 500,
+    "k_turns": 8,
+    "k_first_bytes": 8000,
+    "k_user_bytes": 300,
+    "k_skew_others": 5,
+    "k_skew_rounds": 4,
     "k_cost_us": 200.0,
     "k_cache_blocks": 2048,
     "k_distinct": 300,

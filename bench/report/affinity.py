@@ -36,7 +36,7 @@ def affinity(res: dict[str, Any]) -> list[str]:
         f"tokens, 4 characters a token) whose time to first token is {s['k_cost_us']:g} µs "
         f"per prompt token it did not reuse. {s['k_conversations']} concurrent conversations "
         f"of {s['k_turns']} streamed turns (an agent's shape) share a 4 KB system prompt; the "
-        f"first turn brings a {4 * s['k_user_bytes']}-byte task, each later one a "
+        f"first turn brings a {s['k_first_bytes']}-byte task with its context, each later one a "
         f"{s['k_user_bytes']}-byte message on top of the whole history and the backend's "
         "48-token replies. *Pinned* sends each conversation straight to one backend (no "
         "relay).",
@@ -94,10 +94,11 @@ def affinity(res: dict[str, Any]) -> list[str]:
         if skew:
             targets.append(
                 [
-                    "skew (one conversation four turns at a time): its backend never over "
-                    "ceil(1.25 x running / workers) at its arrivals",
-                    f"{skew['over_bound']} of {skew['hot_requests']} over "
-                    f"(worst {skew['worst_load_over_bound']:.2f}x the bound; "
+                    "skew (one conversation four turns at a time beside "
+                    f"{s['k_skew_others']} sending one, all in flight): its backend never over "
+                    "ceil(1.25 x in flight / workers)",
+                    f"over in {skew['over_bound']} of {skew['rounds']} rounds "
+                    f"(at most {skew['worst_load_over_bound']:.2f}x the bound; "
                     f"{skew['guard_decisions']} guard spills)",
                     _met(skew["over_bound"] == 0),
                 ]
