@@ -516,7 +516,7 @@ def run(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[st
     if redis_reachable():
         from bench.affinity_redis import measure
 
-        log("  Redis: the placement script with and without rendezvous; a shared index")
+        log("  Redis: the placement script with and without an anchor; a shared block index")
         out["redis"] = measure(calls=s["k_redis_calls"])
     out["cluster"] = _cluster(procs, workdir, s, log)
     if shutil.which("llama-server") is None:

@@ -2,10 +2,10 @@
 
 Measured against a live Redis with redis-py (one connection, sequential calls, the
 round trip included): the placement script (:data:`relay.server.cluster.scripts.PLACE`)
-over four live workers without an anchor (least-load), with one (rendezvous hashing,
-what cluster mode does), and the least a *shared block index* would add to it: for a
-32 KB prompt (30 blocks of 1 KiB) read the 30 entries, write them back, and keep them in
-an LRU sorted set trimmed to a bound.
+over four live workers without a conversation anchor (least-load) and with one (the
+conversation's worker read and written back: what cluster mode does), and the least a
+*shared block index* would add to it: for a 32 KB prompt (30 blocks of 1 KiB) read the
+30 entries, write them back, and keep them in an LRU sorted set trimmed to a bound.
 
 Usage: ``python -m bench.affinity_redis [--calls N]`` (prints JSON).
 """
@@ -85,14 +85,14 @@ def measure(url: str = "redis://127.0.0.1:6379/0", calls: int = 2000) -> dict[st
             place(
                 args=[
                     prefix, "p", "m", now, f"e{i}", 1, "p0", now + 1000, 0, 100, "1",
-                    "default:anon", 1, 1, "default", anchor, 1.25,
+                    "default:anon", 1, 1, "default", anchor, 1.25, 60_000,
                 ]
             )  # fmt: skip
 
         placed(0, "")  # loads the scripts
         index(keys=[f"{prefix}:idx", f"{prefix}:lru"], args=["w0", 100_000, *blocks])
         least = _per_call(client, lambda i: placed(i, ""), calls)
-        rendezvous = _per_call(client, lambda i: placed(i, anchors[i % 64]), calls)
+        anchored = _per_call(client, lambda i: placed(i, anchors[i % 64]), calls)
         shared = _per_call(
             client,
             lambda i: index(
@@ -103,7 +103,7 @@ def measure(url: str = "redis://127.0.0.1:6379/0", calls: int = 2000) -> dict[st
         return {
             "calls": calls,
             "place_least_load_us": least,
-            "place_rendezvous_us": rendezvous,
+            "place_anchor_us": anchored,
             "shared_index_extra_us": shared,
             "redis_version": client.info("server")["redis_version"],
         }

@@ -165,8 +165,9 @@ def affinity(res: dict[str, Any]) -> list[str]:
             f"Redis (`python -m bench.affinity_redis`, {redis['calls']} sequential calls, "
             f"Redis {redis['redis_version']}): the placement script costs Redis "
             f"{redis['place_least_load_us']['redis_cpu_us']:.0f} µs of CPU per call without an "
-            f"anchor and {redis['place_rendezvous_us']['redis_cpu_us']:.0f} µs with rendezvous "
-            "hashing; the least a shared block index would add for a 32 KB prompt (30 blocks "
+            f"anchor and {redis['place_anchor_us']['redis_cpu_us']:.0f} µs with one (the "
+            "conversation's worker read and written back); the least a shared block index "
+            "would add for a 32 KB prompt (30 blocks "
             f"read, written and kept in an LRU): {shared:.0f} µs more.",
         ]
     llama = k.get("llama_server", {})

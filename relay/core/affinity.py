@@ -115,6 +115,9 @@ class AffinityConfig:
     #: The bounded-load guard (AFFINITY_LOAD_FACTOR): a worker takes a request for
     #: its cache while its load stays within this factor of the mean.
     load_factor: float = 1.25
+    #: Cluster mode: how long Redis remembers a conversation's worker after its last
+    #: turn (AFFINITY_TTL_SECS).
+    cluster_ttl: float = 3600.0
     #: The session header (AFFINITY_SESSION_HEADER), lower case; the edge reads it.
     session_header: str = "x-session-id"
 
@@ -143,7 +146,9 @@ class Affinity:
 
     def anchor(self) -> str:
         """What names the conversation across processes (cluster mode): its explicit
-        key, else its system part, tools and first user message; "" for neither.
+        key, else its system part, tools and first user message (what every later turn
+        repeats, and what tells apart conversations sharing a system prompt); "" for
+        neither.
         Computed on demand: only cluster mode asks."""
         if self._anchor is None:
             if self.key is not None:

@@ -77,6 +77,7 @@ def relay_config() -> RelayConfig:
             worker_blocks=s.AFFINITY_WORKER_BLOCKS,
             max_keys=s.AFFINITY_MAX_KEYS,
             load_factor=s.AFFINITY_LOAD_FACTOR,
+            cluster_ttl=s.AFFINITY_TTL_SECS,
             session_header=s.AFFINITY_SESSION_HEADER,
         ),
     )

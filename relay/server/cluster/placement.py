@@ -169,6 +169,7 @@ class RedisPlacement(Convergence, ClusterPreemption):
                 service_class=request.service_class,
                 anchor=affinity.anchor() if affinity is not None else "",
                 load_factor=self.relay.config.affinity.load_factor,
+                anchor_ttl_ms=int(self.relay.config.affinity.cluster_ttl * 1000),
             )
         except TROUBLE as exc:
             self._trouble(exc)  # it waits here; this process's workers take it

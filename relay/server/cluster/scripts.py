@@ -72,9 +72,10 @@ local origin, deadline = ARGV[7], tonumber(ARGV[8])
 local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local lane, weight = ARGV[12], tonumber(ARGV[13])
 local own_lease_ms, class = tonumber(ARGV[14]), ARGV[15]
--- Cache-aware routing (SPEC §14): the conversation's anchor ('' for none) and the
--- bounded-load guard's factor. Every process ranks the live workers the same way.
+-- Cache-aware routing (SPEC §14): the conversation's anchor ('' for none), the
+-- bounded-load guard's factor, and how long the conversation's worker is remembered.
 local anchor, factor = ARGV[16] or '', tonumber(ARGV[17] or '1.25')
+local anchor_ttl = tonumber(ARGV[18] or '3600000')
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties, near = nil, {}, {}
 local open, total = {}, 0
@@ -105,25 +106,28 @@ if seq == 0 then
   seq = redis.call('INCR', P .. ':seq')
 end
 local chosen, spilled = nil, '0'
+local anchor_key = P .. ':aff:' .. provider .. ':' .. anchor
 if anchor ~= '' and #open > 0 then
-  -- Rendezvous: the highest hash of (anchor, worker) within the guard wins.
-  local bound = math.ceil(factor * (total + 1) / #open)
-  local top = nil
-  for _, c in ipairs(open) do
-    local score = redis.sha1hex(anchor .. '|' .. c[1])
-    if top == nil or score > top then
-      top = score
-      spilled = (c[2] + 1 > bound) and '1' or '0'
-    end
-    if c[2] + 1 <= bound and (chosen == nil or score > chosen[2]) then
-      chosen = {c[1], score}
+  -- The worker that took the conversation's last turn, while it has room within the
+  -- guard; else least-load, which becomes the conversation's worker.
+  local home = redis.call('GET', anchor_key)
+  if home then
+    local bound = math.ceil(factor * (total + 1) / #open)
+    for _, c in ipairs(open) do
+      if c[1] == home then
+        if c[2] + 1 <= bound then
+          chosen = home
+        else
+          spilled = '1'
+        end
+      end
     end
   end
 end
 if #ties > 0 then
   local wid
   if chosen then
-    wid = chosen[1]
+    wid = chosen
   else
     local pool = ties
     if #near > 0 then
@@ -138,6 +142,9 @@ if #ties > 0 then
     lease_ms = own_lease_ms
   end
   redis.call('ZADD', P .. ':l:' .. wid, now + lease_ms, lease)
+  if anchor ~= '' then
+    redis.call('SET', anchor_key, wid, 'PX', anchor_ttl)
+  end
   return {'placed', wid, proc, redis.call('GET', P .. ':proc:' .. proc) or '', seq, spilled}
 end
 local queue = P .. ':q:' .. provider
