@@ -102,9 +102,10 @@ def _user(n: int, t: int, size: int) -> str:
 
 
 async def _conversations(
-    url_of: Any, count: int, turns: int, user_bytes: int, first_bytes: int
+    url_of: Any, count: int, turns: int, user_bytes: int, first_bytes: int, base: int = 0
 ) -> list[float]:
-    """``count`` conversations of ``turns`` turns, all at once. TTFTs."""
+    """``count`` conversations (numbered from ``base``) of ``turns`` turns, all at
+    once. TTFTs."""
     ttfts: list[float] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
@@ -120,7 +121,7 @@ async def _conversations(
                 ttfts.append(ttft)
                 messages = [*messages, {"role": "assistant", "content": reply}]
 
-        await asyncio.gather(*(one(n) for n in range(count)))
+        await asyncio.gather(*(one(n) for n in range(base, base + count)))
     return ttfts
 
 
@@ -166,11 +167,16 @@ def _routing(url: str) -> dict[str, Any]:
     return stats.json()["routing"]
 
 
-def _multi_turn(url_of: Any, pool: Any, s: dict[str, Any]) -> dict[str, Any]:
+def _multi_turn(url_of: Any, pool: Any, s: dict[str, Any], base: int = 0) -> dict[str, Any]:
     before = len(pool.served)
     ttfts = asyncio.run(
         _conversations(
-            url_of, s["k_conversations"], s["k_turns"], s["k_user_bytes"], s["k_first_bytes"]
+            url_of,
+            s["k_conversations"],
+            s["k_turns"],
+            s["k_user_bytes"],
+            s["k_first_bytes"],
+            base,
         )
     )
     served = pool.served[before:]
@@ -271,82 +277,80 @@ def _server_env(policy: str) -> dict[str, str]:
 
 
 def _policies(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[str, Any]:
+    """Per worker count, both policies live at once (each with its own backends) and
+    the pinned baseline on a third set, measured in alternating rounds of fresh
+    conversations, so that other work on the machine falls on all three alike."""
     from tests.cacheupstream import caching_upstreams
 
     out: dict[str, Any] = {}
-    cost = s["k_cost_us"] / 1e6
+    options = {
+        "model": MODEL,
+        "cost_per_token": s["k_cost_us"] / 1e6,
+        "capacity_blocks": s["k_cache_blocks"],
+        "reply_tokens": 48,
+    }
     for workers in (2, 4):
-        row: dict[str, Any] = {}
-        for policy in ("least_load", "cache_aware", "pinned"):
-            with caching_upstreams(
-                workers,
-                model=MODEL,
-                cost_per_token=cost,
-                capacity_blocks=s["k_cache_blocks"],
-                reply_tokens=48,
-            ) as pool:
-                backends = [up.url for up in pool.upstreams]
-                if policy == "pinned":
-                    log(f"  {workers} backends, each conversation pinned to one (no relay)")
-                    result = _multi_turn(_pinned(backends), pool, s)
-                    result.pop("_served")
-                    row[policy] = result
-                    continue
-                log(f"  {workers} workers, ROUTING_POLICY={policy}")
+        log(f"  {workers} workers: least_load, cache_aware and pinned in alternating rounds")
+        with (
+            caching_upstreams(workers, **options) as least_pool,
+            caching_upstreams(workers, **options) as aware_pool,
+            caching_upstreams(workers, **options) as pinned_pool,
+        ):
+            pools = {"least_load": least_pool, "cache_aware": aware_pool}
+            urls = {}
+            for policy, pool in pools.items():
                 label = f"{policy}-{workers}"
                 server, url = start_server(
                     procs, workdir, f"k-{label}", None, "daphne", **_server_env(policy)
                 )
-                _start_workers(procs, url, backends, label)
+                _start_workers(procs, url, [up.url for up in pool.upstreams], label)
                 wait_workers(url, workers, server, timeout=90)
-                result = _multi_turn(_always(url), pool, s)
-                result.pop("_served")
-                routing = _routing(url)
-                result["decisions"] = routing["decisions"]
-                checked = routing["predicted_hits_confirmed"] + routing["predicted_hits_refuted"]
-                result["predicted_hits_checked"] = checked
-                result["predicted_hits_confirmed_share"] = (
-                    round(routing["predicted_hits_confirmed"] / checked, 4) if checked else None
+                urls[policy] = url
+            direct = _pinned([up.url for up in pinned_pool.upstreams])
+            runs: dict[str, list[dict[str, Any]]] = {p: [] for p in (*urls, "pinned")}
+            for r in range(s["k_rounds"]):
+                base = 1000 * (r + 1)
+                for policy, url in urls.items():
+                    runs[policy].append(_multi_turn(_always(url), pools[policy], s, base))
+                runs["pinned"].append(_multi_turn(direct, pinned_pool, s, base))
+            row: dict[str, Any] = {}
+            for policy, results in runs.items():
+                served = [x for result in results for x in result.pop("_served")]
+                row[policy] = _served_summary(served) | {
+                    "ttft_ms": round(statistics.mean(x["ttft_ms"] for x in results), 2),
+                    "rounds": results,
+                }
+            aware = row["cache_aware"]
+            routing = _routing(urls["cache_aware"])
+            aware["decisions"] = routing["decisions"]
+            checked = routing["predicted_hits_confirmed"] + routing["predicted_hits_refuted"]
+            aware["predicted_hits_checked"] = checked
+            aware["predicted_hits_confirmed_share"] = (
+                round(routing["predicted_hits_confirmed"] / checked, 4) if checked else None
+            )
+            if workers == 2:
+                log("    skew: one conversation four turns at a time")
+                aware["skew"] = _skew_rounds(urls["cache_aware"], aware_pool, s, s["k_skew_rounds"])
+                aware["skew"]["guard_decisions"] = (
+                    _routing(urls["cache_aware"])["decisions"]["guard"]
+                    - routing["decisions"]["guard"]
                 )
-                if workers == 2 and policy == "cache_aware":
-                    log("    skew: one conversation four turns at a time")
-                    result["skew"] = _skew_rounds(url, pool, s, s["k_skew_rounds"])
-                    result["skew"]["guard_decisions"] = (
-                        _routing(url)["decisions"]["guard"] - routing["decisions"]["guard"]
-                    )
-                row[policy] = result
-                procs.stop_all()
+                log("    no shared prefix: distinct single turns in alternating rounds")
+                out["distinct"] = _distinct_rounds(urls, s)
+            procs.stop_all()
         out[f"workers_{workers}"] = row
     return out
 
 
-def _distinct_phase(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[str, Any]:
-    """Both policies live at once (2 workers each), measured in alternating rounds so
-    that other work on the machine falls on both alike; the best round of each."""
-    from tests.cacheupstream import caching_upstreams
-
-    log("  no shared prefix: distinct single turns, both policies in alternating rounds")
-    cost = s["k_distinct_cost_us"] / 1e6
-    rounds: dict[str, list[dict[str, float]]] = {"least_load": [], "cache_aware": []}
-    with (
-        caching_upstreams(2, model=MODEL, cost_per_token=cost) as least_pool,
-        caching_upstreams(2, model=MODEL, cost_per_token=cost) as aware_pool,
-    ):
-        urls = {}
-        for policy, pool in (("least_load", least_pool), ("cache_aware", aware_pool)):
-            label = f"distinct-{policy}"
-            server, url = start_server(
-                procs, workdir, f"k-{label}", None, "daphne", **_server_env(policy)
+def _distinct_rounds(urls: dict[str, str], s: dict[str, Any]) -> dict[str, Any]:
+    """Single turns with distinct prompts on both servers, in alternating rounds; the
+    best round of each (the least disturbed by other work on the machine)."""
+    rounds: dict[str, list[dict[str, float]]] = {policy: [] for policy in urls}
+    for _ in range(s["k_distinct_rounds"]):
+        for policy, url in urls.items():
+            rounds[policy].append(
+                asyncio.run(_distinct(url, s["k_distinct"], 16, s["k_distinct_bytes"]))
             )
-            _start_workers(procs, url, [up.url for up in pool.upstreams], label)
-            wait_workers(url, 2, server, timeout=90)
-            urls[policy] = url
-        for _ in range(s["k_distinct_rounds"]):
-            for policy, url in urls.items():
-                rounds[policy].append(
-                    asyncio.run(_distinct(url, s["k_distinct"], 16, s["k_distinct_bytes"]))
-                )
-        procs.stop_all()
     return {
         policy: {
             "req_per_sec": max(r["req_per_sec"] for r in runs),
@@ -511,8 +515,9 @@ def run(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[st
     log("  index cost and memory (in process)")
     out["index"] = _index_cost(s)
     out["memory"] = _index_memory(s)
-    out["policies"] = _policies(procs, workdir, s, log)
-    out["distinct"] = _distinct_phase(procs, workdir, s, log)
+    policies = _policies(procs, workdir, s, log)
+    out["distinct"] = policies.pop("distinct")
+    out["policies"] = policies
     if redis_reachable():
         from bench.affinity_redis import measure
 
