@@ -308,6 +308,10 @@ def _policies(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> d
                 urls[policy] = url
             direct = _pinned([up.url for up in pinned_pool.upstreams])
             runs: dict[str, list[dict[str, Any]]] = {p: [] for p in (*urls, "pinned")}
+            # Unmeasured: the first requests through a fresh server and worker (their
+            # connections, imports, caches) are slower, whatever the policy.
+            for target in (*(_always(url) for url in urls.values()), direct):
+                asyncio.run(_conversations(target, 4, 2, s["k_user_bytes"], 1000, base=900))
             for r in range(s["k_rounds"]):
                 base = 1000 * (r + 1)
                 for policy, url in urls.items():
