@@ -460,8 +460,9 @@ def _index_cost(s: dict[str, Any]) -> dict[str, Any]:
     decode_both = timed(lambda: _head_decoder.decode(body))
     head = _head_decoder.decode(body)
 
+    r = request()
+
     def route() -> None:
-        r = request()
         r.affinity = router.affinity(head, MODEL, None)
         chosen = router.choose(r, workers) or workers[0]
         router.assigned(r, chosen)
