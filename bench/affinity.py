@@ -530,7 +530,7 @@ def run(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[st
         out["redis"] = measure(calls=s["k_redis_calls"])
     out["cluster"] = _cluster(procs, workdir, s, log)
     if shutil.which("llama-server") is None:
-        out["llama_server"] = {"skipped": "no llama-server binary on this machine (not built)"}
+        out["llama_server"] = {"skipped": "no llama-server binary on this machine: not built"}
     else:
         out["llama_server"] = {"skipped": "llama-server found but not driven by this scenario"}
     return out
