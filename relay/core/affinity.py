@@ -137,7 +137,7 @@ class Affinity:
         self.key = key
         self.blocks = blocks
         self.seed = seed
-        #: The prompt's parts, kept for :meth:`anchor` until the request is sent.
+        #: The prompt's parts, kept for :meth:`anchor` until :meth:`sent`.
         self._parts = parts
         self._anchor: str | None = None
         #: How many of ``blocks`` the chosen worker held when it was sent there.
@@ -161,7 +161,7 @@ class Affinity:
         return self._anchor
 
     def sent(self) -> None:
-        """The request left for a worker: the prompt's bytes are no longer needed."""
+        """Drop the prompt's bytes (the anchor, once computed, is kept)."""
         self._parts = None
 
 

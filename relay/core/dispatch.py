@@ -147,7 +147,11 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         request.service_class = service_class
         request.rank = RANK[service_class]
         if self.router.enabled:
-            request.affinity = self.router.affinity(prompt, model, session)
+            affinity = request.affinity = self.router.affinity(prompt, model, session)
+            if affinity is not None:
+                if self.placement is not None:
+                    affinity.anchor()  # what the cluster places it by, computed once
+                affinity.sent()  # the body's bytes are not held a moment longer
         if self.clustered:
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.
