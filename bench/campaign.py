@@ -17,7 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import batches, big_box, classes, cluster, fleet, limits, peers, scenarios, targets
+from bench import (
+    affinity,
+    batches,
+    big_box,
+    classes,
+    cluster,
+    fleet,
+    limits,
+    peers,
+    scenarios,
+    targets,
+)
 from bench.procs import Processes
 from bench.profiler import Profiler, find_py_spy
 from bench.targets import RELAYS, ROOT
@@ -56,6 +67,12 @@ def settings(quick: bool) -> dict[str, Any]:
             "j_seconds": 6.0,
             "j_slots": 4,
             "j_trickle": 2.0,
+            **AFFINITY,
+            "k_distinct": 200,
+            "k_distinct_rounds": 2,
+            "k_rounds": 2,
+            "k_index_rounds": 300,
+            "k_redis_calls": 1000,
             "l_requests": 2_000,
             "l_rounds": 3,
             "l_workers": 100,
@@ -89,11 +106,32 @@ def settings(quick: bool) -> dict[str, Any]:
         "j_seconds": 30.0,
         "j_slots": 4,
         "j_trickle": 2.0,
+        **AFFINITY,
         "l_requests": 5_000,
         "l_rounds": 5,
         "l_workers": 100,
         "l_series": 1_000,
     }
+
+
+#: (k) cache-aware routing: the workload and the caching fake backends (bench/affinity.py).
+AFFINITY: dict[str, Any] = {
+    "k_conversations": 16,
+    "k_turns": 8,
+    "k_first_bytes": 8000,
+    "k_user_bytes": 300,
+    "k_rounds": 3,
+    "k_skew_others": 5,
+    "k_skew_rounds": 4,
+    "k_cost_us": 200.0,
+    "k_cache_blocks": 2048,
+    "k_distinct": 300,
+    "k_distinct_bytes": 4000,
+    "k_distinct_rounds": 3,
+    "k_index_rounds": 1000,
+    "k_memory_conversations": 100_000,
+    "k_redis_calls": 2000,
+}
 
 
 def cpu_set(spec: str) -> set[int]:
@@ -328,6 +366,9 @@ class Campaign:
         if "j" in only:
             self.log("priority classes (flex at 3x capacity, a default trickle):")
             self.res["classes"] = classes.run(self.procs, self.workdir, self.s, self.log)
+        if "k" in only:
+            self.log("cache-aware routing (caching fake backends):")
+            self.res["affinity"] = affinity.run(self.procs, self.workdir, self.s, self.log)
         if "l" in only:
             self.log("fleet observability (tracing off and on, federation of 100 workers):")
             self.res["fleet"] = fleet.run(self.s, self.log)

@@ -4,7 +4,7 @@ Usage::
 
     python bench/run.py                 # everything; rewrites docs/BENCHMARKS.md
     python bench/run.py --quick         # a reduced pass (~2 min) for optimising
-    python bench/run.py --only c        # one scenario (a, b, c, d or e; comma list)
+    python bench/run.py --only c        # one scenario (a to k; comma list)
 
 Scenarios (see bench/README.md for what each measures): (a) non-streaming
 throughput, (b) added latency at one request in flight, (c) concurrent 20 token/s
@@ -54,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default="",
-        help="scenarios to run: a,b,c,d,e,f,g,h,i (d = a + c; f = one big box; "
-        "g = two processes through Redis; h = per-key limits; i = batches)",
+        help="scenarios to run: a,b,c,d,e,f,g,h,i,j,k (d = a + c; f = one big box; "
+        "g = two processes through Redis; h = per-key limits; i = batches; "
+        "j = priority classes; k = cache-aware routing)",
     )
     p.add_argument(
         "--targets", default=",".join(ALL_TARGETS), help="comma list of " + ",".join(ALL_TARGETS)
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args(argv)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghijl")
-    if not only <= set("abcdefghijl"):
-        p.error("--only takes a, b, c, d, e, f, g, h, i, j, l")
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghijkl")
+    if not only <= set("abcdefghijkl"):
+        p.error("--only takes a, b, c, d, e, f, g, h, i, j, k, l")
     if "d" in only:
         only |= {"a", "c"}
     names = [n.strip().lower() for n in args.targets.split(",") if n.strip()]

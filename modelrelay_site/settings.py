@@ -157,6 +157,22 @@ CLUSTER_ADVERTISE_URL = env_str("CLUSTER_ADVERTISE_URL", "")
 # (0: never), and a flex request loses its slot to a higher class at most this often.
 PRIORITY_AGING_SECS = env_float("PRIORITY_AGING_SECS", 60.0)
 PRIORITY_MAX_PREEMPTIONS = env_int("PRIORITY_MAX_PREEMPTIONS", 3)
+# Cache-aware routing (SPEC §14, relay/core/affinity.py): the policy, the session header
+# that names a conversation, the block size of prompt hashing, what the index keeps
+# (blocks per worker, explicit keys), and the bounded-load guard's factor.
+ROUTING_POLICY = env_str("ROUTING_POLICY", "cache_aware")
+if ROUTING_POLICY not in ("cache_aware", "least_load"):
+    raise ImproperlyConfigured(
+        f"ROUTING_POLICY must be cache_aware or least_load, got {ROUTING_POLICY!r}"
+    )
+AFFINITY_SESSION_HEADER = env_str("AFFINITY_SESSION_HEADER", "X-Session-Id").lower()
+AFFINITY_BLOCK_BYTES = env_int("AFFINITY_BLOCK_BYTES", 1024, minimum=16)
+AFFINITY_WORKER_BLOCKS = env_int("AFFINITY_WORKER_BLOCKS", 16384, minimum=1)
+AFFINITY_MAX_KEYS = env_int("AFFINITY_MAX_KEYS", 100_000, minimum=1)
+AFFINITY_LOAD_FACTOR = env_float("AFFINITY_LOAD_FACTOR", 1.25)
+AFFINITY_TTL_SECS = env_float("AFFINITY_TTL_SECS", 3600.0)
+if AFFINITY_LOAD_FACTOR < 1.0:
+    raise ImproperlyConfigured("AFFINITY_LOAD_FACTOR must be at least 1")
 CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:

@@ -153,6 +153,7 @@ class RequestLogAdmin(ReadOnlyAdmin):
         "duration_ms",
         "prompt_tokens",
         "completion_tokens",
+        "cached_tokens",
         "requeues",
         "service_class",
         "preemptions",

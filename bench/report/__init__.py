@@ -7,6 +7,7 @@
 - :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits;
 - :mod:`bench.report.batches`: (i) batches on idle capacity;
 - :mod:`bench.report.classes`: (j) priority classes;
+- :mod:`bench.report.affinity`: (k) cache-aware routing;
 - :mod:`bench.report.fleet`: (l) fleet observability (tracing, federation);
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import batches, classes, cluster, fleet, goals, ratios, sections
+from bench.report import affinity, batches, classes, cluster, fleet, goals, ratios, sections
 
 LEGEND = (
     "CPU columns are shares of one core over the measured window, from `/proc/<pid>/stat`: "
@@ -43,6 +44,7 @@ def tables(res: dict[str, Any]) -> str:
         cluster.limits(res),
         batches.batches(res),
         classes.classes(res),
+        affinity.affinity(res),
         fleet.fleet(res),
     ]
     return "\n".join(line for part in parts for line in part)

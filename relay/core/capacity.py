@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from relay.core.affinity import Router
 from relay.core.config import RelayConfig
 from relay.core.registry import Registry
 from relay.core.state import Completion, RelayRequest, Worker
@@ -40,6 +41,7 @@ class Capacity:
         providers: dict[str, ProviderState]
         placement: Placement | None
         stats: RelayStats
+        router: Router
         shutting_down: bool
         active: int
         _idle: asyncio.Event
@@ -60,6 +62,8 @@ class Capacity:
 
         def _assign(self, request: RelayRequest, worker: Worker, now: float) -> None: ...
 
+        def _select(self, provider: str, model: str, request: RelayRequest) -> Worker | None: ...
+
         def _enqueue(self, state: ProviderState, request: RelayRequest, now: float) -> None: ...
 
     def detach_worker(self, worker: Worker, reason: str) -> None:
@@ -67,6 +71,7 @@ class Capacity:
         if not worker.attached:
             return
         self.registry.remove(worker, self.loop.time())
+        self.router.forget_worker(worker.id)
         if self.placement is not None:
             self.placement.worker_gone(worker)
         timer = self._drain_timers.pop(worker.id, None)
@@ -183,7 +188,7 @@ class Capacity:
         """Place queued requests on any worker with room (after requeues)."""
         now = self.loop.time()
         for request in state.queue:
-            worker = self.registry.select(state.policy.name, request.model, request)
+            worker = self._select(state.policy.name, request.model, request)
             if worker is not None:
                 state.queue.remove(request)
                 self._assign(request, worker, now)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from relay.core.affinity import AffinityConfig
 from relay.wire.protocol import ACCEPTED_PROTOCOL_VERSIONS
 
 MIB = 1024 * 1024
@@ -50,6 +51,8 @@ class RelayConfig:
     #: this often before its first byte, then keeps it.
     priority_aging: float | None = 60.0
     max_preemptions: int = 3
+    #: Cache-aware routing (SPEC §14): ROUTING_POLICY and the AFFINITY_* settings.
+    affinity: AffinityConfig = field(default_factory=AffinityConfig)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ import secrets
 import time
 from collections.abc import Callable
 
+from relay.core.affinity import Prompt, Router
 from relay.core.capacity import Capacity
 from relay.core.classes import DEFAULT, RANK
 from relay.core.cluster import ClusterSide
@@ -65,6 +66,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self.registry = Registry(model_memory=config.model_memory)
         self.providers: dict[str, ProviderState] = {}
         self.stats = RelayStats()
+        #: Cache-aware routing (SPEC §14); chooses only while its policy is cache_aware.
+        self.router = Router(config.affinity)
         self.observers: list[Observer] = [self.stats.observe]
         self.started_wall = time.time()
         self.shutting_down = False
@@ -100,6 +103,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         ticket: Ticket | None = None,
         service_class: str = DEFAULT,
         trace: object = None,
+        prompt: Prompt | None = None,
+        session: str | None = None,
     ) -> RelayRequest:
         """Admit a client request: assign it now, queue it, or raise a RelayError.
 
@@ -112,6 +117,9 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         raises, the caller still owns it. ``service_class`` is the request's priority
         class (SPEC §15), kept on the request. ``trace`` is its trace state when the
         edge traces it (:mod:`relay.core.tracer`).
+
+        ``prompt`` is what cache-aware routing reads of the body (SPEC §14), decoded
+        by the edge with the model, and ``session`` its session header's value.
         """
         request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:
@@ -144,6 +152,12 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         request.trace = trace
         request.service_class = service_class
         request.rank = RANK[service_class]
+        if self.router.enabled:
+            affinity = request.affinity = self.router.affinity(prompt, model, session)
+            if affinity is not None:
+                if self.placement is not None:
+                    affinity.anchor()  # what the cluster places it by, computed once
+                affinity.sent()  # the body's bytes are not held a moment longer
         if self.clustered:
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.
@@ -154,7 +168,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
             self.placement.place(request)
             return request
         for state, target in candidates:
-            worker = self.registry.select(state.policy.name, target, request)
+            worker = self._select(state.policy.name, target, request)
             if worker is not None:
                 self._aim(request, state, target)
                 self.active += 1
@@ -176,6 +190,15 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self._enqueue(primary, request, now)
         self._preempt_for(primary, request)
         return request
+
+    def _select(self, provider: str, model: str, request: RelayRequest) -> Worker | None:
+        """The worker for ``request`` now: the one holding its prefix within the
+        bounded-load guard (SPEC §14), else the least loaded (§6); None: none free."""
+        if request.affinity is not None:
+            worker = self.router.choose(request, self.registry.eligible(provider, model, request))
+            if worker is not None:
+                return worker
+        return self.registry.select(provider, model, request)
 
     def _check_frame(
         self,
@@ -267,6 +290,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         request.worker_id = worker.id
         request.worker_name = worker.name
         worker.in_flight[request.id] = request
+        if request.affinity is not None:
+            self.router.assigned(request, worker)
         worker.link.send(
             protocol.Request(
                 request_id=request.id,

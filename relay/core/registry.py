@@ -179,6 +179,18 @@ class Registry:
             counts[key] = len(workers)
         return counts
 
+    def eligible(self, provider: str, model: str, request: RelayRequest) -> list[Worker]:
+        """The workers that could take ``request`` now (what :meth:`select` chooses
+        among): not draining, a free slot, not refusing it."""
+        out = []
+        for worker in self._by_model.get((provider, model), ()):
+            if worker.draining or worker.load >= worker.max_concurrent:
+                continue
+            if worker.refuses is not None and worker.refuses(request):
+                continue
+            out.append(worker)
+        return out
+
     def serving_workers(self, provider: str, model: str) -> list[Worker]:
         """The connected workers of ``provider`` acked for ``model`` (busy or not)."""
         return list(self._by_model.get((provider, model), ()))

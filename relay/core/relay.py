@@ -241,6 +241,7 @@ class Relay(Dispatcher):
             if request.buffer:
                 body = "".join(request.buffer) + body
             request.token_counts = message.token_counts
+            self.router.completed(request, worker, message.token_counts)
             self._finish(request, Completion(message.status_code, message.headers, body.encode()))
         self._freed(worker, request.lease)
 

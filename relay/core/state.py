@@ -32,6 +32,7 @@ from relay.wire.errors import Flavor, RelayError
 if TYPE_CHECKING:
     from asyncio import Future, TimerHandle
 
+    from relay.core.affinity import Affinity
     from relay.core.limits import Ticket
     from relay.wire.protocol import ServerMessage, TokenCounts
 
@@ -65,6 +66,7 @@ class RelayRequest:
     __slots__ = (
         "_events",
         "_waiter",
+        "affinity",
         "assigned_at",
         "body",
         "buffer",
@@ -192,6 +194,8 @@ class RelayRequest:
         #: (a preemption), for that trace.
         self.trace: object = None
         self.why = ""
+        #: Cache-aware routing (SPEC §14): its key and prompt blocks; None: not routed by them.
+        self.affinity: Affinity | None = None
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -242,6 +246,7 @@ class RelayRequest:
             duration=finished - self.created,
             prompt_tokens=counts.prompt_tokens if counts else None,
             completion_tokens=counts.completion_tokens if counts else None,
+            cached_tokens=counts.cached_tokens if counts else None,
             requeues=self.requeues,
             created_at=self.created_wall,
             cancel_reason=cancel_reason,

@@ -41,6 +41,8 @@ class RequestRecord:
     #: Its priority class (SPEC §15), and how often it lost its slot to a higher one.
     service_class: str = "default"
     preemptions: int = 0
+    #: Prompt tokens the backend said it reused from its cache (SPEC §14).
+    cached_tokens: int | None = None
 
     @classmethod
     def rejected(

@@ -20,6 +20,7 @@ from prometheus_client import Counter as CounterMetric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from relay.core.affinity import BYTES_PER_TOKEN, DECISIONS, Router
 from relay.core.keystats import fold
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
@@ -156,10 +157,54 @@ class RelayCollector(Collector):
                 "1 while this process reaches the cluster's Redis, 0 while degraded.",
                 value=1 if state["state"] == "ok" else 0,
             )
+        yield from routing_metrics(relay.router)
         if self.key_rows is not None:
             yield from key_metrics(self.key_rows())
         if self.batch_counts is not None:
             yield from batch_metrics(self.batch_counts())
+
+
+def routing_metrics(router: Router) -> Iterator[Metric]:
+    """Cache-aware routing (SPEC §14): its decisions, and per worker the cached prompt
+    tokens it predicted against those the backend reported."""
+    decisions = CounterMetricFamily(
+        "modelrelay_affinity_decisions",
+        "Cache-aware routing decisions: hit (the key's or longest prefix's worker took "
+        "it), miss (nothing known), guard (its worker was over the bounded-load guard).",
+        labels=["decision"],
+    )
+    for decision in DECISIONS:
+        decisions.add_metric([decision], router.decisions[decision])
+    yield decisions
+    families = {
+        "predicted": CounterMetricFamily(
+            "modelrelay_affinity_predicted_cached_tokens",
+            "Prompt tokens the relay predicted a worker's backend had cached (estimated "
+            f"at {BYTES_PER_TOKEN} bytes of prompt JSON per token).",
+            labels=["worker"],
+        ),
+        "reported": CounterMetricFamily(
+            "modelrelay_affinity_reported_cached_tokens",
+            "Prompt tokens a worker's backend reported it reused from its cache.",
+            labels=["worker"],
+        ),
+        "checked": CounterMetricFamily(
+            "modelrelay_affinity_predicted_hits",
+            "Predicted cache hits the backend confirmed (reused > 0) or refuted (0).",
+            labels=["worker", "result"],
+        ),
+    }
+    for name, row in sorted(router.by_worker.items()):
+        families["predicted"].add_metric([name], row.predicted_tokens)
+        families["reported"].add_metric([name], row.reported_tokens)
+        families["checked"].add_metric([name, "confirmed"], row.confirmed)
+        families["checked"].add_metric([name, "refuted"], row.refuted)
+    yield from families.values()
+    yield GaugeMetricFamily(
+        "modelrelay_affinity_index_entries",
+        "Prompt blocks and explicit keys the routing index remembers (bounded).",
+        value=router.entries(),
+    )
 
 
 def batch_metrics(counts: dict[str, Any]) -> Iterator[Metric]:

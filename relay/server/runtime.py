@@ -18,6 +18,7 @@ from typing import Any
 from django.conf import settings
 
 from relay.core import classes, providers, snapshot
+from relay.core.affinity import AffinityConfig
 from relay.core.config import RelayConfig
 from relay.core.keycache import KeyCache
 from relay.core.keystats import KeyStats, key_name, key_rows
@@ -75,6 +76,15 @@ def relay_config() -> RelayConfig:
         require_protocol_version=s.REQUIRE_PROTOCOL_VERSION,
         priority_aging=s.PRIORITY_AGING_SECS or None,
         max_preemptions=s.PRIORITY_MAX_PREEMPTIONS,
+        affinity=AffinityConfig(
+            policy="least_load" if s.ROUTING_POLICY == "least_load" else "cache_aware",
+            block_bytes=s.AFFINITY_BLOCK_BYTES,
+            worker_blocks=s.AFFINITY_WORKER_BLOCKS,
+            max_keys=s.AFFINITY_MAX_KEYS,
+            load_factor=s.AFFINITY_LOAD_FACTOR,
+            cluster_ttl=s.AFFINITY_TTL_SECS,
+            session_header=s.AFFINITY_SESSION_HEADER,
+        ),
     )
 
 

@@ -88,6 +88,8 @@ class TokenCounts(msgspec.Struct, omit_defaults=True):
     prompt_tokens: TokenCount | None = None
     completion_tokens: TokenCount | None = None
     total_tokens: TokenCount | None = None
+    #: Prompt tokens the backend reused from its cache (optional; SPEC §14).
+    cached_tokens: TokenCount | None = None
 
 
 # --- server -> worker --------------------------------------------------------

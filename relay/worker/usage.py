@@ -12,7 +12,7 @@ import msgspec
 
 from relay.wire.protocol import TokenCounts
 
-_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_USAGE = re.compile(rb'"(?:usage|timings)"\s*:\s*\{')
 #: An unfinished line is kept across reads up to this size, then dropped.
 _MAX_PARTIAL_LINE = 1024 * 1024
 
@@ -21,22 +21,47 @@ def _count(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
+def _cached(doc: dict[str, object]) -> int | None:
+    """Prompt tokens a backend says it reused: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` (``input_tokens_details`` in the
+    Responses API), Anthropic's ``usage.cache_read_input_tokens``, llama-server's
+    ``timings.cache_n``; in the document or its ``response`` / ``message``."""
+    for holder in (doc, doc.get("response"), doc.get("message")):
+        if not isinstance(holder, dict):
+            continue
+        usage = holder.get("usage")
+        if isinstance(usage, dict):
+            for details in ("prompt_tokens_details", "input_tokens_details"):
+                inner = usage.get(details)
+                if isinstance(inner, dict) and _count(inner.get("cached_tokens")) is not None:
+                    return _count(inner["cached_tokens"])
+            if _count(usage.get("cache_read_input_tokens")) is not None:
+                return _count(usage["cache_read_input_tokens"])
+        timings = holder.get("timings")
+        if isinstance(timings, dict) and _count(timings.get("cache_n")) is not None:
+            return _count(timings["cache_n"])
+    return None
+
+
 class UsageScanner:
     """Token usage as the backend reported it, from a JSON body or an SSE stream.
 
     Understands OpenAI chat (``usage.prompt_tokens``...), the Responses API
     (``response.usage.input_tokens``...) and Anthropic messages
     (``message.usage.input_tokens`` in ``message_start``, ``usage.output_tokens`` in
-    ``message_delta``). Streams are fed in arbitrary pieces; only lines that can
-    hold a usage object are JSON-decoded, and the fed bytes are never modified.
+    ``message_delta``), and the cached prompt tokens of each (see :func:`_cached`).
+    Streams are fed in arbitrary pieces; only lines that can hold a usage object are
+    JSON-decoded, and the fed bytes are never modified.
     """
 
-    __slots__ = ("_partial", "completion", "prompt", "total")
+    __slots__ = ("_partial", "cached", "completion", "prompt", "total")
 
     def __init__(self) -> None:
         self.prompt: int | None = None
         self.completion: int | None = None
         self.total: int | None = None
+        #: Prompt tokens the backend reused from its cache (SPEC §14).
+        self.cached: int | None = None
         self._partial = b""
 
     def feed(self, data: bytes) -> None:
@@ -76,6 +101,9 @@ class UsageScanner:
             return
         if not isinstance(doc, dict):
             return
+        cached = _cached(doc)
+        if cached is not None:
+            self.cached = cached
         usage = doc.get("usage")
         if not isinstance(usage, dict):
             for key in ("response", "message"):  # Responses API / Anthropic message_start
@@ -101,13 +129,21 @@ class UsageScanner:
             self.total = total
 
     def counts(self) -> TokenCounts | None:
-        if self.prompt is None and self.completion is None and self.total is None:
+        if (
+            self.prompt is None
+            and self.completion is None
+            and self.total is None
+            and self.cached is None
+        ):
             return None
         total = self.total
         if total is None and self.prompt is not None and self.completion is not None:
             total = self.prompt + self.completion
         return TokenCounts(
-            prompt_tokens=self.prompt, completion_tokens=self.completion, total_tokens=total
+            prompt_tokens=self.prompt,
+            completion_tokens=self.completion,
+            total_tokens=total,
+            cached_tokens=self.cached,
         )
 
 

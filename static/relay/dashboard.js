@@ -94,6 +94,23 @@
     setText("stat-tokens", fmtCompact(s.tokens.prompt + s.tokens.completion));
     setText("stat-tokens-split", fmtCompact(s.tokens.prompt) + " in · " + fmtCompact(s.tokens.completion) + " out");
     document.getElementById("stat-queued").closest(".stat").classList.toggle("warn", s.queue_depth > 0);
+    renderRouting(s.routing);
+  }
+
+  // Cache-aware routing (SPEC §14): what backends said they reused, and how routing went.
+  function renderRouting(r) {
+    if (!r) return;
+    const rows = Object.values(r.workers || {});
+    const reported = rows.reduce((sum, w) => sum + w.reported_cached_tokens, 0);
+    setText("stat-cached", fmtCompact(reported));
+    const d = r.decisions || {};
+    const checked = r.predicted_hits_confirmed + r.predicted_hits_refuted;
+    const parts = [r.policy.replace("_", "-")];
+    if (r.policy === "cache_aware") {
+      parts.push(fmtInt(d.hit || 0) + " hit · " + fmtInt(d.miss || 0) + " new · " + fmtInt(d.guard || 0) + " spilled");
+      if (checked) parts.push(Math.round((100 * r.predicted_hits_confirmed) / checked) + "% confirmed");
+    }
+    setText("stat-cached-split", parts.join(" · "));
   }
 
   // ---------------------------------------------------------------- workers
@@ -396,6 +413,7 @@
       ])]),
       el("td", { class: "num", text: fmtMs(r.duration_ms) }),
       el("td", { class: "num muted hide-sm", text: fmtMs(r.ttfb_ms) }),
+      el("td", { class: "num muted hide-sm", text: r.cached_tokens == null ? "–" : fmtInt(r.cached_tokens) }),
     ])));
     document.getElementById("recent-empty").hidden = snap.recent.length > 0;
   }

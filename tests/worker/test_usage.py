@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from relay.wire.protocol import TokenCounts
 from relay.worker.usage import UsageScanner, format_counts
 
@@ -36,3 +38,47 @@ def test_usage_is_found_in_every_api_shape_however_the_stream_is_cut() -> None:
 def test_counts_are_formatted_for_the_per_request_debug_line() -> None:
     assert format_counts(TokenCounts(9, 4, 13)) == "prompt=9 completion=4 total=13"
     assert format_counts(None) == "none reported"
+
+
+@pytest.mark.parametrize(
+    ("document", "content_type"),
+    [
+        (  # OpenAI chat, and vLLM / SGLang with prefix caching
+            b'{"usage": {"prompt_tokens": 90, "completion_tokens": 2,'
+            b' "prompt_tokens_details": {"cached_tokens": 64}}}',
+            "application/json",
+        ),
+        (  # the Responses API
+            b'{"response": {"usage": {"input_tokens": 90, "output_tokens": 2,'
+            b' "input_tokens_details": {"cached_tokens": 64}}}}',
+            "application/json",
+        ),
+        (  # Anthropic: message_start
+            b'event: message_start\ndata: {"type":"message_start","message":{"usage":'
+            b'{"input_tokens":26,"cache_read_input_tokens":64,"output_tokens":1}}}\n\n',
+            "text/event-stream",
+        ),
+        (  # llama-server's last chunk without usage: timings only
+            b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],'
+            b'"timings":{"cache_n":64,"prompt_n":26}}\n\ndata: [DONE]\n\n',
+            "text/event-stream",
+        ),
+    ],
+)
+def test_cached_prompt_tokens_are_read_from_every_backend_shape(
+    document: bytes, content_type: str
+) -> None:
+    scanner = UsageScanner()
+    scanner.feed_document(document, content_type)
+    counts = scanner.counts()
+    assert counts is not None and counts.cached_tokens == 64
+
+
+def test_a_cached_count_of_the_wrong_type_is_ignored() -> None:
+    scanner = UsageScanner()
+    scanner.feed_document(
+        b'{"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": -3}},'
+        b' "timings": {"cache_n": "many"}}',
+        "application/json",
+    )
+    assert scanner.counts() == TokenCounts(5, None, None)

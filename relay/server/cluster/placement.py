@@ -152,7 +152,8 @@ class RedisPlacement(Convergence, ClusterPreemption):
         now = self.relay.loop.time()
         self._placing.add(entry)
         try:
-            kind, placed, order = await self.state.place(
+            affinity = request.affinity
+            kind, placed, order, spilled = await self.state.place(
                 provider=request.provider,
                 model=request.model,
                 entry=entry,
@@ -166,6 +167,9 @@ class RedisPlacement(Convergence, ClusterPreemption):
                 lane=lane_of(request.service_class, request.key_id, requeued),
                 weight=weight_of(request),
                 service_class=request.service_class,
+                anchor=affinity.anchor() if affinity is not None else "",
+                load_factor=self.relay.config.affinity.load_factor,
+                anchor_ttl_ms=int(self.relay.config.affinity.cluster_ttl * 1000),
             )
         except TROUBLE as exc:
             self._trouble(exc)  # it waits here; this process's workers take it
@@ -173,6 +177,8 @@ class RedisPlacement(Convergence, ClusterPreemption):
         finally:
             self._placing.discard(entry)
         request.cluster_seq = order
+        if spilled and affinity is not None:
+            affinity.decision = "guard"
         logger.debug("placing %s: %s %s (order %d)", entry, kind, placed, order)
         if kind == "placed":
             assert placed is not None

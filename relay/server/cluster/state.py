@@ -43,6 +43,8 @@ Keys (``P`` is REDIS_PREFIX):
   credit left in its turn and its weight. A lane is in the ring exactly while it
   holds entries (every script that adds or removes entries keeps that true);
 - ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals);
+- ``P:aff:<provider>:<anchor>``: the worker that took a conversation's last turn
+  (cache-aware routing, SPEC §14), expiring AFFINITY_TTL_SECS after it;
 - ``P:credentials``: a fingerprint of the cluster token of the first process to announce
   itself; a process with another one stays out.
 
@@ -147,7 +149,10 @@ class ClusterState:
         lane: str = "default:anon",
         weight: int = 1,
         service_class: str = "default",
-    ) -> tuple[str, Placed | None, int]:
+        anchor: str = "",
+        load_factor: float = 1.25,
+        anchor_ttl_ms: int = 3_600_000,
+    ) -> tuple[str, Placed | None, int, bool]:
         """Reserve the least-loaded slot for ``model`` or queue ``entry`` at the back of
         ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
 
@@ -157,6 +162,12 @@ class ClusterState:
         elsewhere for PENDING_LEASE_MS until the request arrives. ``seq`` is the
         request's place in the global arrival order (give it back when the request is
         placed again, to keep its place).
+
+        ``anchor`` names the request's conversation (SPEC §14): the worker that took its
+        last turn (remembered ``anchor_ttl_ms``) takes it again while its load stays
+        within the bounded-load guard (``load_factor``); otherwise least-load decides,
+        and the worker chosen becomes the conversation's. The last value returned is
+        True when the conversation's worker was passed over for the guard.
         """
         reply = await self._place(
             args=[
@@ -175,11 +186,14 @@ class ClusterState:
                 weight,
                 hold_ms,
                 service_class,
+                anchor,
+                load_factor,
+                anchor_ttl_ms,
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])
         placed = Placed(worker, owner, address) if kind == "placed" else None
-        return kind, placed, int(reply[4])
+        return kind, placed, int(reply[4]), self.decode(reply[5]) == "1"
 
     async def release(
         self, worker_id: str, lease: str, now_ms: int, aging_ms: int = 0

@@ -57,7 +57,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             body = raw.decode()
         except UnicodeDecodeError:
             raise BadRequest("Request body must be UTF-8 encoded JSON") from None
-        model, stream, tier = read_head(raw)
+        head = read_head(raw)
+        model, stream, tier = head.model, head.stream, head.service_tier
         if len(model) > rt.config.max_model_name_len:
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
         wanted = classes.asked(header(scope, b"x-priority"), tier)
@@ -96,6 +97,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             ticket=ticket,
             service_class=rt.service_class(key_id, wanted),
             trace=trace,
+            prompt=head.prompt,
+            session=_session(scope, rt.config.affinity.session_header),
         )
     except BaseException as exc:
         # Until submit returns the ticket is ours: free the key's slot on every way
@@ -114,6 +117,12 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         tracing.admitted(trace, request, None if key_id is None else key_name(rt.keys, key_id))
     logrecord.request_id.set(request.id)  # every line this task logs names it
     await respond(relay, request, receive, send, cors or [])
+
+
+def _session(scope: Scope, name: str) -> str | None:
+    """The session header's value (SPEC §14); not forwarded to the backend."""
+    value = header(scope, name.encode("latin-1"))
+    return value.decode("latin-1") if value else None
 
 
 async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from relay.core.affinity import Prompt
 from relay.core.routes import parse_routes
 from relay.server.http.send import Receive, Scope
 from relay.wire.errors import (
@@ -85,8 +86,9 @@ def reset_hosts() -> None:
     _hosts = None
 
 
-class _Head(msgspec.Struct):
-    """The only fields the relay reads from a client body."""
+class _Head(Prompt):
+    """The only fields the relay reads from a client body (with what cache-aware
+    routing reads, :class:`relay.core.affinity.Prompt`, in the same pass)."""
 
     model: Any = msgspec.UNSET
     stream: Any = msgspec.UNSET
@@ -101,6 +103,8 @@ class Head(NamedTuple):
     stream: bool
     #: As sent (None: absent); :func:`relay.core.classes.asked` reads it.
     service_tier: object
+    #: What cache-aware routing reads (SPEC §14).
+    prompt: Prompt | None = None
 
 
 class ClientGone(Exception):
@@ -134,7 +138,7 @@ def read_head(body: bytes) -> Head:
         stream = False
     elif not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
-    return Head(head.model, stream, head.service_tier)
+    return Head(head.model, stream, head.service_tier, head)
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

@@ -1,0 +1,186 @@
+"""Cache-aware routing end to end (SPEC §14): a live server, two real ``worker.py`` and
+two fake backends that each keep a prompt cache and report what they reused."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cacheupstream import UpstreamPool, caching_upstreams
+from tests.live import LiveServer, live_server
+from tests.test_e2e import WorkerProcess, poll, running_worker, workers_connected
+
+pytestmark = pytest.mark.live
+
+MODEL = "mock-model"
+CHAT = "/v1/chat/completions"
+ADMIN = "affinity-admin-token"
+SESSION_HEADER = "X-Conversation"
+
+
+class Rig:
+    def __init__(self, server: LiveServer, pool: UpstreamPool, workers: list[WorkerProcess]):
+        self.server = server
+        self.pool = pool
+        self.workers = workers
+        self.client = httpx.Client(base_url=server.url, timeout=20)
+
+    def chat(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> str:
+        """Send ``body`` (as these exact bytes); returns the assistant's reply."""
+        raw = json.dumps(body).encode()
+        response = self.client.post(
+            CHAT, content=raw, headers={"content-type": "application/json", **(headers or {})}
+        )
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["message"]["content"]
+
+    def upstream_of(self, raw: bytes) -> int:
+        """Which backend served the request whose body was ``raw``."""
+        found = [s.index for s in self.pool.served if s.body == raw]
+        assert len(found) == 1, "the body did not reach one backend unchanged"
+        return found[0]
+
+    def stats(self) -> dict[str, Any]:
+        headers = {"authorization": f"Bearer {ADMIN}"}
+        return self.client.get("/admin/stats", headers=headers).json()["routing"]
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """One server and two workers for the whole module (each test its own
+    conversations; the test that stops a worker comes last)."""
+    with ExitStack() as stack:
+        pool = stack.enter_context(caching_upstreams(2, model=MODEL))
+        server = stack.enter_context(
+            live_server(
+                tmp_path_factory.mktemp("affinity") / "server",
+                MODELRELAY_ADMIN_TOKEN=ADMIN,
+                AFFINITY_BLOCK_BYTES="64",
+                AFFINITY_SESSION_HEADER=SESSION_HEADER,
+            )
+        )
+        flags = ["--models", MODEL, "--max-concurrent", "8"]
+        workers = [
+            stack.enter_context(running_worker(server, up.url, *flags, "--worker-name", f"box-{i}"))
+            for i, up in enumerate(pool.upstreams)
+        ]
+        poll(lambda: workers_connected(server) == 2, what="two workers")
+        rig = Rig(server, pool, workers)
+        yield rig
+        rig.client.close()
+
+
+def conversation(n: int, turns: int, replies: list[str]) -> dict[str, Any]:
+    messages = [{"role": "system", "content": f"You are assistant number {n}. " * 4}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Question {t} of conversation {n}. " * 3})
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": replies[t]})
+    return {"model": MODEL, "messages": messages}
+
+
+def test_turns_follow_their_worker_and_backends_confirm_the_hits(rig: Rig):
+    before = len(rig.pool.served)
+    replies: dict[int, list[str]] = {n: [] for n in range(4)}
+    homes: dict[int, list[int]] = {n: [] for n in range(4)}
+    for turn in range(1, 5):
+        for n in range(4):
+            body = conversation(n, turn, replies[n])
+            replies[n].append(rig.chat(body))
+            homes[n].append(rig.upstream_of(json.dumps(body).encode()))
+    assert all(len(set(h)) == 1 for h in homes.values()), homes
+    assert {h[0] for h in homes.values()} == {0, 1}  # new conversations spread
+    mine = rig.pool.served[before:]
+    # Every turn after the first reused its prefix.
+    assert [s.cached_tokens > 0 for s in mine] == [False] * 4 + [True] * 12
+    stats = rig.stats()
+    assert stats["policy"] == "cache_aware"
+    assert stats["decisions"]["hit"] == 12 and stats["decisions"]["miss"] == 4
+    assert stats["predicted_hits_confirmed"] == 12 and stats["predicted_hits_refuted"] == 0
+    reported = sum(w["reported_cached_tokens"] for w in stats["workers"].values())
+    assert reported == sum(s.cached_tokens for s in mine)
+    metrics = rig.client.get("/metrics").text
+    assert 'modelrelay_affinity_decisions_total{decision="hit"} 12.0' in metrics
+    assert 'modelrelay_affinity_reported_cached_tokens_total{worker="box-' in metrics
+
+
+def test_prompt_cache_key_and_the_session_header_win_over_the_prompt(rig: Rig):
+    first = conversation(11, 2, ["Earlier reply."])
+    rig.chat(first | {"prompt_cache_key": "alpha"})
+    home = rig.upstream_of(json.dumps(first | {"prompt_cache_key": "alpha"}).encode())
+    for i in range(4):  # new conversations alternate: find one on the other worker
+        session = f"beta-{i}"
+        other_body = conversation(20 + i, 1, [])
+        rig.chat(other_body, {SESSION_HEADER: session})
+        other = rig.upstream_of(json.dumps(other_body).encode())
+        if other != home:
+            break
+    assert other != home
+    # The first conversation's prompt (its blocks are on ``home``) under beta's names.
+    keyed = first | {"prompt_cache_key": session}
+    rig.chat(keyed)
+    assert rig.upstream_of(json.dumps(keyed).encode()) == other
+    first_again = conversation(11, 2, ["Earlier reply."]) | {"temperature": 0.5}
+    rig.chat(first_again, {SESSION_HEADER: session})
+    assert rig.upstream_of(json.dumps(first_again).encode()) == other
+
+
+def test_the_guard_spills_one_hot_conversation_to_the_other_worker(rig: Rig):
+    body = conversation(17, 1, [])
+    rig.chat(body)
+    home = rig.upstream_of(json.dumps(body).encode())
+    rig.pool.hold()
+    results: list[int] = []
+    threads = []
+    for i in range(6):  # six turns of one conversation at once
+        hot = body | {"user": f"burst-{i}"}
+
+        def send(document: dict[str, Any] = hot) -> None:
+            with httpx.Client(base_url=rig.server.url, timeout=20) as client:
+                response = client.post(CHAT, json=document)
+                results.append(response.status_code)
+
+        threads.append(threading.Thread(target=send))
+        threads[-1].start()
+    poll(lambda: rig.pool.in_flight() == 6, what="six requests in flight")
+    where = Counter(s.index for s in rig.pool.served[-6:])
+    rig.pool.release()
+    for thread in threads:
+        thread.join(20)
+    assert results == [200] * 6
+    # Never past ceil(1.25 * in flight / workers) on the conversation's worker.
+    assert 0 < where[home] <= math.ceil(1.25 * 6 / 2)
+    assert where[1 - home] >= 2
+    assert rig.stats()["decisions"]["guard"] >= 1
+    poll(lambda: rig.pool.in_flight() == 0, what="the burst to end")
+
+
+def test_a_backend_reporting_misses_and_a_worker_leaving_lose_their_entries(rig: Rig):
+    body = conversation(13, 2, ["Some reply."])
+    rig.chat(body)
+    home = rig.upstream_of(json.dumps(body).encode())
+    before = rig.stats()
+    rig.pool.upstreams[home].cache.blocks.clear()  # the backend restarted: cache gone
+    again = body | {"user": "after-restart"}
+    rig.chat(again)
+    assert rig.upstream_of(json.dumps(again).encode()) == home
+    after = rig.stats()
+    assert after["predicted_hits_refuted"] == before["predicted_hits_refuted"] + 1
+    # The refuted prefix is gone from that worker: the next turn is a new conversation.
+    rig.chat(body | {"user": "third"})
+    assert rig.stats()["decisions"]["miss"] == after["decisions"]["miss"] + 1
+    # A worker leaves: everything it held goes with it.
+    held = rig.stats()["blocks_by_worker"]
+    assert len(held) == 2
+    rig.workers[home].stop()
+    poll(lambda: workers_connected(rig.server) == 1, what="the worker to leave")
+    left = rig.stats()["blocks_by_worker"]
+    assert len(left) == 1 and left.items() <= held.items()
