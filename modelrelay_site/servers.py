@@ -107,12 +107,16 @@ class Serving:
             return
         self._stopping = True
         logger.info("shutting down: no new requests; finishing in-flight work")
+        asyncio.get_running_loop().create_task(self._graceful())
         if settings.REDIS_URL:
             # Behind a load balancer (cluster mode), new connections are refused rather
             # than answered 503: the balancer sends them to another process (a refused
             # connection is retried whatever the method; a 503 to a POST is not).
-            self.stop_listening()
-        asyncio.get_running_loop().create_task(self._graceful())
+            try:
+                self.stop_listening()
+            except Exception:
+                # Still answered 503 then: the shutdown itself goes on regardless.
+                logger.exception("could not stop listening; new connections get 503")
 
     async def _graceful(self) -> None:
         try:
@@ -140,7 +144,17 @@ class DaphneServing(Serving):
     name = "daphne"
 
     def run(self) -> None:
-        from daphne.server import Server
+        from daphne.server import Server as DaphneServer
+
+        ports: list[Any] = []
+        self.ports = ports
+
+        class Server(DaphneServer):
+            def listen_success(self, port: Any) -> None:
+                # daphne keeps only the Deferreds of its listeners (whose result is
+                # gone by then): the listening ports are what stop_listening needs.
+                ports.append(port)
+                super().listen_success(port)
 
         interface = self.host.replace(":", r"\:")
         self.server = Server(
@@ -169,7 +183,7 @@ class DaphneServing(Serving):
         self.server.stop()
 
     def stop_listening(self) -> None:
-        for listener in self.server.listeners:
+        for listener in self.ports:
             # Accept what already waits in the backlog first: closing the socket would
             # reset those connections, and a balancer does not resend a POST it had
             # written to one.

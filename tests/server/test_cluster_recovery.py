@@ -399,7 +399,9 @@ async def test_a_rolling_restart_behind_nginx_fails_no_request(relay_server_fact
                 try:
                     for server in servers[:1]:
                         before = len(outcomes)
-                        await asyncio.to_thread(server.restart)
+                        # SIGTERM: it exits by itself, 0, within its grace (never killed).
+                        assert await asyncio.to_thread(server.stop) == 0, server.log()[-3000:]
+                        await asyncio.to_thread(server.start)
                         await knows(server, "mock-model")
                         await until(
                             lambda before=before: _more(outcomes, before + 20),
@@ -412,6 +414,34 @@ async def test_a_rolling_restart_behind_nginx_fails_no_request(relay_server_fact
                 failed = [o for o in outcomes if o != 200]
                 assert len(outcomes) > 50
                 assert failed == [], f"{len(failed)} of {len(outcomes)} failed: {failed[:10]}"
+
+
+async def test_a_stopped_process_refuses_new_connections_and_exits_by_itself(
+    relay_server_factory, tmp_path
+):
+    """SIGTERM in cluster mode: the process stops listening at once (the balancer sends
+    new connections to the others) and exits 0 within its grace, not killed after it."""
+    with (
+        private_redis(tmp_path / "redis") as (url, _),
+        cluster(relay_server_factory, 1, REDIS_URL=url, SHUTDOWN_GRACE_SECS="2", **FAST) as (a,),
+    ):
+        async with httpx.AsyncClient(timeout=15) as client:
+            await until(lambda: _all_ok(client, [a]), RECOVERY_SECS, "the process to join")
+        assert a.process is not None
+        a.signal(signal.SIGTERM)
+
+        async def refused() -> bool:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", a.port)
+            except ConnectionRefusedError:
+                return True
+            writer.close()
+            return False
+
+        await until(refused, 5, "the stopping process to refuse new connections")
+        code = await asyncio.to_thread(a.process.wait, 10)  # grace 2 s
+        assert code == 0, a.log()[-3000:]
+        assert "Traceback" not in a.log()
 
 
 async def _more(outcomes: list[Any], than: int) -> bool:
