@@ -74,9 +74,16 @@ class RedisPlacement(Convergence, ClusterPreemption):
         aging = relay.config.priority_aging
         #: Priority classes (SPEC §15): the aging bound the shared queue applies (0: none).
         self.aging_ms = 0 if aging is None else max(1, int(aging * 1000))
-        self.redis = aioredis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        # Named, so that CLIENT LIST tells each process's connections and their roles apart
+        # (this pool also holds the pub/sub connection).
+        self.redis = aioredis.from_url(
+            redis_url,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+            client_name=f"modelrelay:{self.instance}:cluster",
+        )
         #: The per-request scripts' own connection (None: they use ``self.redis``).
-        self.lean = lean_client(redis_url)
+        self.lean = lean_client(redis_url, name=f"modelrelay:{self.instance}:place")
         self.state = ClusterState(self.redis, prefix, self.lean)
         self.proxies = ProxyPool(relay, token, self._release_unsent, self._unreachable)
         #: What this process shows the others of its token (never the token itself).
