@@ -13,6 +13,7 @@ Timings are shrunk through settings (a tick of 0.2 s, keys outliving a process b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
 import sqlite3
 from collections.abc import AsyncIterator
@@ -280,6 +281,56 @@ async def test_capacity_holds_when_redis_lost_the_reservations(relay_server_fact
                 assert (await call).status_code == 200
             assert worker.peak == 1
         await redis.aclose()
+
+
+async def test_a_refused_placement_gives_its_slot_back_even_when_redis_failed_meanwhile(
+    tmp_path,
+):
+    """A request another process placed on our worker found it full here (this process
+    had taken work for it while degraded). The resync that should come first fails (an
+    error reply): the reservation is still given back at the next pass Redis hears,
+    not held on an idle worker until its pending lease lapses (15 s)."""
+    from relay.server.cluster.convergence import now_ms
+    from relay.server.cluster.placement import RedisPlacement
+    from tests.corekit import FAST as CORE
+    from tests.corekit import attach, make_relay
+
+    with private_redis(tmp_path / "redis") as (url, _):
+        # (The worker is attached without a socket: no heartbeat may drop it meanwhile.)
+        relay = make_relay(dataclasses.replace(CORE, heartbeat_interval=60, heartbeat_timeout=120))
+        prefix = "mrtest-refused"
+        placement = RedisPlacement(relay, url, prefix, "cluster-token", tick=0.1, ttl=1)
+        relay.placement = placement
+        worker, _ = attach(relay, ["m"], max_concurrent=1)
+        redis = aioredis.from_url(url)
+        loop = asyncio.ensure_future(placement.run())
+        try:
+            placement.listening("http://127.0.0.1:9")
+            await until(lambda: _state(placement, "ok"), RECOVERY_SECS, "the process to join")
+            leases = f"{prefix}:l:{worker.id}"
+            lease = "other|r-placed-there"
+            await redis.zadd(leases, {lease: now_ms() + 15_000})
+            await redis.delete(f"{prefix}:credentials")
+            await redis.rpush(f"{prefix}:credentials", "not a string")  # every pass: WRONGTYPE
+            before = set(placement._tasks)
+            placement.refused(worker.id, lease)
+            await asyncio.gather(*(placement._tasks - before))  # its resync met the error
+            assert placement.status == "degraded"
+            await redis.delete(f"{prefix}:credentials")
+            await until(lambda: _state(placement, "ok"), RECOVERY_SECS, "the next pass")
+
+            async def given_back() -> bool:
+                return await redis.zscore(leases, lease) is None
+
+            await until(given_back, RECOVERY_SECS, "the refused reservation to be given back")
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            await redis.aclose()
+
+
+async def _state(placement: Any, state: str) -> bool:
+    return bool(placement.status == state)
 
 
 async def test_a_requeued_request_keeps_its_place_even_when_the_queue_is_full(

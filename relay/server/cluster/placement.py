@@ -309,6 +309,11 @@ class RedisPlacement(Convergence, ClusterPreemption):
             try:
                 await self._announce()
             except TROUBLE as exc:
+                # Still given back: the next pass that Redis hears re-asserts the busy
+                # slots and drops this one in the same step (else it would hold a slot
+                # of an idle worker until its pending lease lapsed).
+                if worker_id in self.relay.registry.workers:
+                    self._released.setdefault(worker_id, set()).add(lease)
                 self._trouble(exc)
                 return
             await self._release(worker_id, lease)
