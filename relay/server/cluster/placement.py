@@ -209,6 +209,13 @@ class RedisPlacement(Convergence, ClusterPreemption):
                 self._spawn(self._release(placed.worker_id, entry))
                 self.place(request)
                 return
+            if self.relay.full(worker):
+                # Redis offered a slot this process knows is taken (it lost reservations,
+                # or has not heard yet of work taken here while it could not be reached):
+                # re-assert the busy slots, give this one back, and place the request again.
+                self.waiting[entry] = request
+                self._spawn(self._retake(worker.id, entry, request))
+                return
             request.lease = entry
             self.relay.assign_to(request, worker)
             if not held:
@@ -219,6 +226,16 @@ class RedisPlacement(Convergence, ClusterPreemption):
         )
         request.lease = entry
         self.relay.assign_to(request, stand_in)
+
+    async def _retake(self, worker_id: str, entry: str, request: RelayRequest) -> None:
+        try:
+            await self._announce()
+        except TROUBLE as exc:
+            self._released.setdefault(worker_id, set()).add(entry)  # the next pass drops it
+            self._trouble(exc)
+            return  # (degraded: this process's workers take what waits here meanwhile)
+        await self._release(worker_id, entry)
+        await self._place(entry, request)
 
     def _holding(self, entry: str, worker_id: str) -> bool:
         """Whether a request of ours already runs on ``worker_id`` under ``entry``."""
