@@ -531,6 +531,42 @@ async def test_a_stopped_process_refuses_new_connections_and_exits_by_itself(
         assert "Traceback" not in a.log()
 
 
+async def test_a_stopping_process_still_serves_its_own_waiting_requests_on_its_workers(
+    relay_server_factory, tmp_path
+):
+    """SIGTERM a process whose worker is the cluster's only one, with a request of its
+    own waiting behind a busy slot: no other process is offered that worker any more,
+    but the waiting request takes it when it frees (not a 503 at the end of the grace)."""
+    with (
+        private_redis(tmp_path / "redis") as (url, _),
+        cluster(relay_server_factory, 2, REDIS_URL=url, SHUTDOWN_GRACE_SECS="20", **FAST) as (
+            a,
+            b,
+        ),
+    ):
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            ScriptedWorker(a, ["only"], max_concurrent=1) as worker,
+        ):
+            await knows(b, "only")
+            first = asyncio.ensure_future(chat(client, a, "only"))
+            held = await worker.next()
+            second = asyncio.ensure_future(chat(client, a, "only"))
+
+            async def waits() -> bool:
+                return (await health(client, a))["queue_depth"] == 1
+
+            await until(waits, RECOVERY_SECS, "the second request to wait")
+            a.signal(signal.SIGTERM)
+            a.wait_for_log("shutting down")
+            await worker.answer(held)
+            assert (await first).status_code == 200
+            await worker.answer(await worker.next(timeout=RECOVERY_SECS))
+            response = await second
+            assert response.status_code == 200, response.text
+            assert worker.peak == 1
+
+
 async def _more(outcomes: list[Any], than: int) -> bool:
     return len(outcomes) > than
 

@@ -124,6 +124,8 @@ class RedisPlacement(Convergence, ClusterPreemption):
         entry = self._entry(request)
         self.waiting[entry] = request
         self._spawn(self._place(entry, request))
+        if self._leaving:
+            self._serve_own()
 
     def withdraw(self, request: RelayRequest) -> None:
         entry = self._entry(request)
@@ -137,6 +139,8 @@ class RedisPlacement(Convergence, ClusterPreemption):
                 self._released.setdefault(worker.id, set()).add(lease)
             return
         self._spawn(self._release(worker.id, lease or ""))
+        if self._leaving:
+            self._serve_own()
 
     def worker_changed(self, worker: Worker) -> None:
         self._spawn(self._refresh(worker.id))
@@ -342,6 +346,21 @@ class RedisPlacement(Convergence, ClusterPreemption):
         (its own waiting requests may still be placed on theirs)."""
         self._leaving = True
         self._poke.set()
+        self._serve_own()
+
+    def _serve_own(self) -> None:
+        """While the server stops, its own waiting requests still take its workers' free
+        slots (no other process is offered them any more): with every worker connected
+        here, they would otherwise wait out the grace and end with 503."""
+        for entry, request in list(self.waiting.items()):
+            if request.phase is not Phase.QUEUED or entry in self._placing:
+                continue
+            worker = self.relay.registry.select(request.provider, request.model, request)
+            if worker is None or worker.remote or self.relay.full(worker):
+                continue
+            self.withdraw(request)  # out of the shared queue; a slot found meanwhile goes back
+            request.lease = entry
+            self.relay.assign_to(request, worker)
 
     def describe(self) -> dict[str, Any]:
         """For ``/health``, ``/admin/stats`` and ``/metrics``."""
