@@ -323,7 +323,7 @@ async def _routes_everywhere(rig: ClusterRig, out: Outcome, fault: str) -> None:
 
 
 async def _no_leases(rig: ClusterRig, out: Outcome, fault: str) -> None:
-    held: dict[str, int] = {}
+    held: dict[str, list[str]] = {}
 
     async def none() -> bool:
         held.clear()
@@ -373,7 +373,7 @@ async def rolling_restart(
     codes = []
     for _ in range(profile.rolling_rounds):
         for i in rig.indexes:
-            await pause(0.5)
+            await rig.nginx_takes_all()
             codes.append(await rig.stop_process(i))
             await rig.start_process(i)
             await rig.wait_converged(RECOVERY_SECS)

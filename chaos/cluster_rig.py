@@ -50,6 +50,9 @@ from chaos.rig import (
 
 ROOT = Path(__file__).resolve().parent.parent
 POSTGRES_URL = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+#: nginx takes a server that refused a connection out of its upstream for this long
+#: (``fail_timeout``, 10 s by default, which deploy/nginx.conf keeps).
+NGINX_FAIL_SECS = 10.0
 #: Timings shrunk so that a stall past the TTL takes two seconds, not ten.
 TICK_SECS = 0.2
 TTL_SECS = 1.0
@@ -131,6 +134,8 @@ class ClusterRig:
         self.upstream: Proc | None = None
         self.nginx: Proc | None = None
         self.logs: list[Proc] = []
+        #: When each process last listened again after being stopped or killed.
+        self.back_at: dict[int, float] = {}
         self._incarnations: dict[str, int] = {}
 
     @staticmethod
@@ -188,6 +193,14 @@ class ClusterRig:
         self.servers[index] = proc
         self.logs.append(proc)
         await wait_line(proc, r"Listening on http://", 90)
+        self.back_at[index] = time.monotonic()
+
+    async def nginx_takes_all(self) -> None:
+        """Until nginx may send traffic to every process again: one that refused a
+        connection is out of its upstream for ``fail_timeout`` (a process stopped while
+        every other one is still out leaves nginx nothing but 502 to answer)."""
+        last = max(self.back_at.values(), default=0.0)
+        await pause(max(0.0, last + NGINX_FAIL_SECS - time.monotonic()))
 
     async def stop_process(self, index: int, timeout: float = 20) -> int | None:
         """SIGTERM, as a deploy does; the exit code (None: it did not exit in time)."""
@@ -294,18 +307,21 @@ class ClusterRig:
     # -- Redis ---------------------------------------------------------------------
 
     def client(self) -> aioredis.Redis:
-        return aioredis.Redis(host="127.0.0.1", port=self.redis_port, socket_timeout=10)
+        return aioredis.Redis(
+            host="127.0.0.1", port=self.redis_port, socket_timeout=10, decode_responses=True
+        )
 
     async def redis_command(self, *args: Any) -> Any:
         async with self.client() as redis:
             return await redis.execute_command(*args)
 
-    async def leases(self) -> dict[str, int]:
-        """Reservations Redis holds, by worker key (``P:l:<worker>``)."""
+    async def leases(self) -> dict[str, list[str]]:
+        """Reservations Redis holds (``<process>|<request id>``), by worker key
+        (``P:l:<worker>``)."""
         async with self.client() as redis:
             keys = [k async for k in redis.scan_iter(match=f"{self.prefix}:l:*")]
-            counts = {k.decode(): int(await redis.zcard(k)) for k in keys}
-        return {k: n for k, n in counts.items() if n}
+            found = {str(k): [str(m) for m in await redis.zrange(k, 0, -1)] for k in keys}
+        return {k: members for k, members in found.items() if members}
 
     async def connections(self) -> list[dict[str, Any]]:
         async with self.client() as redis:
