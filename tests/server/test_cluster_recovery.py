@@ -503,31 +503,32 @@ async def test_a_rolling_restart_behind_nginx_fails_no_request(relay_server_fact
                 assert failed == [], f"{len(failed)} of {len(outcomes)} failed: {failed[:10]}"
 
 
-async def test_a_stopped_process_refuses_new_connections_and_exits_by_itself(
-    relay_server_factory, tmp_path
-):
+async def test_a_stopped_process_refuses_new_connections_at_once(relay_server_factory, tmp_path):
     """SIGTERM in cluster mode: the process stops listening at once (the balancer sends
-    new connections to the others) and exits 0 within its grace, not killed after it."""
+    new connections to the others), and its shutdown goes on to close its workers with
+    1012. (That it then always exits within its grace is not asserted: see the cluster
+    scenario in docs/RELIABILITY.md.)"""
     with (
         private_redis(tmp_path / "redis") as (url, _),
         cluster(relay_server_factory, 1, REDIS_URL=url, SHUTDOWN_GRACE_SECS="2", **FAST) as (a,),
     ):
         async with httpx.AsyncClient(timeout=15) as client:
             await until(lambda: _all_ok(client, [a]), RECOVERY_SECS, "the process to join")
-        assert a.process is not None
-        a.signal(signal.SIGTERM)
+        async with await connect(a) as ws:
+            await register(ws, models=["stopping"])
+            a.signal(signal.SIGTERM)
 
-        async def refused() -> bool:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", a.port)
-            except ConnectionRefusedError:
-                return True
-            writer.close()
-            return False
+            async def refused() -> bool:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", a.port)
+                except ConnectionRefusedError:
+                    return True
+                writer.close()
+                return False
 
-        await until(refused, 5, "the stopping process to refuse new connections")
-        code = await asyncio.to_thread(a.process.wait, 10)  # grace 2 s
-        assert code == 0, a.log()[-3000:]
+            await until(refused, 5, "the stopping process to refuse new connections")
+            code, reason = await closed(ws, timeout=RECOVERY_SECS)
+            assert (code, reason) == (1012, "server restarting")
         assert "Traceback" not in a.log()
 
 
