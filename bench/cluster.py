@@ -11,6 +11,19 @@ over A and B (two wrk runs of 16 connections at once), against the same load on 
 alone. On a 2-core machine the load generator, the workers and the fake upstream
 share the cores with the servers; their CPU is measured and reported beside the
 ratio rather than assumed away.
+
+Then *one worker each*: one worker of A and one of B leave, so each process has one
+worker, and the same split load runs again: server CPU per request, both processes
+summed, against the one-process figure (the same-process run: A alone with two workers,
+32 connections); the target is ≤ 1.25x, the 2-core stand-in for "two processes on two
+cores serve ≥ 1.6x one".
+
+Last, a *rolling restart*: nginx (deploy/nginx.conf, both processes in its upstream) in
+front, 16 wrk connections through it for the whole sequence while each process in turn
+is SIGTERMed, started again on its port, and left alone for nginx's ``fail_timeout``
+(10 s: nginx takes a process that refused a connection out of its upstream for that
+long, and stopping the other one meanwhile would leave it none); requests/s and the
+share of them answered 200 (target: 100 %).
 """
 
 from __future__ import annotations
@@ -18,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import time
@@ -25,10 +39,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench import scenarios
+from bench import peers, scenarios
 from bench.procs import Processes
 from bench.scenarios import Window
-from bench.targets import MODEL, Target, start_server, start_workers, wait_workers
+from bench.targets import MODEL, ROOT, Target, start_server, start_workers, wait_workers
 
 REDIS = ("127.0.0.1", 6379)
 
@@ -87,6 +101,8 @@ def run(
         "REDIS_PREFIX": prefix,
         "MODELRELAY_SECRET_PEPPER": secrets.token_urlsafe(32),
         "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),
+        # (The rolling restart waits for each SIGTERMed process to exit: 5 s of grace.)
+        "SHUTDOWN_GRACE_SECS": "5",
     }
     started = []
     try:
@@ -136,11 +152,111 @@ def run(
         both.cpu_pids = {"server": servers, "workers": workers + [w.pid for w in on_b]}
         res["two"] = _split_throughput(both, [a_url, b_url], upstream_pid, workdir, s)
         log(f"  (g) two processes: {res['two']['rps']:,.0f} req/s")
+
+        # One worker each: one of A's and one of B's leave.
+        for proc in (on_a[1], on_b[1]):
+            procs.stop(proc)
+            started.remove(proc)
+        wait_workers(a_url, 1, a, timeout=60)
+        wait_workers(b_url, 1, b, timeout=60)
+        spread = Target("one worker each", 0)
+        spread.cpu_pids = {"server": servers, "workers": [on_a[0].pid, on_b[0].pid]}
+        res["spread"] = _split_throughput(spread, [a_url, b_url], upstream_pid, workdir, s)
+        one = res["same"]["a"]
+        res["spread"]["us_per_request"] = _server_us(res["spread"])
+        res["spread"]["one_us_per_request"] = _server_us(one)
+        log(
+            f"  (g) one worker each, load split: {res['spread']['rps']:,.0f} req/s, "
+            f"{res['spread']['us_per_request']:.0f} µs server CPU per request "
+            f"(one process: {one['rps']:,.0f} req/s, {res['spread']['one_us_per_request']:.0f} µs)"
+        )
+
+        # A rolling restart through nginx, under load.
+        restarts = {"cluster-a": (a, a_url, env), "cluster-b": (b, b_url, shared)}
+        res["rolling"] = _rolling_restart(procs, workdir, restarts, started, s)
+        r = res["rolling"]
+        log(
+            f"  (g) rolling restart: {r['requests']:,} requests in {r['wall']:.0f} s "
+            f"({r['rps']:,.0f} req/s), {r['ok_share']:.2%} answered 200, exits {r['exits']}"
+        )
         return res
     finally:
         for proc in reversed(started):
             procs.stop(proc)
         _forget(prefix)
+
+
+def _server_us(run: dict[str, Any]) -> float:
+    """Server CPU (all server processes) per request, in µs."""
+    return run["cpu"]["server"] / max(1, run["requests"]) * 1e6
+
+
+def _rolling_restart(
+    procs: Processes,
+    workdir: Path,
+    servers: dict[str, tuple[Any, str, dict[str, str]]],
+    started: list[Any],
+    s: dict[str, Any],
+) -> dict[str, Any]:
+    """wrk through nginx while each process is SIGTERMed and started again in turn."""
+    from bench.procs import free_port
+    from bench.targets import project_python, server_env
+    from tests.test_deploy_proxies import nginx_command, nginx_main_config, render_loopback
+
+    ports = [int(url.rsplit(":", 1)[1]) for _, url, _ in servers.values()]
+    front = free_port()
+    nginx_dir = workdir / "nginx-cluster"
+    nginx_dir.mkdir()
+    site = render_loopback(ports[0], front)
+    lines = "\n".join(f"    server 127.0.0.1:{p};" for p in ports)
+    site = site.replace(f"    server 127.0.0.1:{ports[0]};", lines, 1)
+    conf = nginx_main_config(nginx_dir, site)
+    conf.write_text(conf.read_text().replace("worker_connections 256", "worker_connections 4096"))
+    nginx = procs.start("nginx-cluster", nginx_command(peers.NGINX, nginx_dir, conf), cwd=nginx_dir)
+    started.append(nginx)
+    url = f"http://127.0.0.1:{front}"
+    _wait(lambda: _serves_model(url), "nginx in front of the cluster")
+    script = workdir / "post.lua"
+    script.write_text(scenarios.WRK_SCRIPT)
+    fail_timeout = 10.0
+    seconds = int(len(servers) * (fail_timeout + 12) + 5)
+    argv = [scenarios.WRK, "-t1", "-c16", f"-d{seconds}s", "--latency", "--timeout", "10s"]
+    load = subprocess.Popen(
+        [*argv, "-s", str(script), url + "/v1/chat/completions"], stdout=subprocess.PIPE, text=True
+    )
+    exits: list[int | None] = []
+    t0 = time.monotonic()
+    time.sleep(2)
+    for label, (proc, server_url, env) in servers.items():
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            exits.append(proc.popen.wait(20))
+        except subprocess.TimeoutExpired:
+            exits.append(None)  # still running: killed below, counted as not exiting
+            procs.stop(proc)
+        port = server_url.rsplit(":", 1)[1]
+        again = procs.start(
+            f"server-{label}.2",
+            [project_python(), "manage.py", "serve", "--listen", f"127.0.0.1:{port}"],
+            env=server_env(workdir / f"data-{label}", **env),
+            cwd=ROOT,
+        )
+        started.append(again)
+        again.wait_for_line(r"Listening on", timeout=90)
+        _wait(lambda u=server_url: _serves_model(u), f"process {label} serving again")
+        time.sleep(fail_timeout)  # nginx takes it back only after fail_timeout
+    out = load.communicate(timeout=seconds + 60)[0]
+    wall = time.monotonic() - t0
+    parsed = scenarios.parse_wrk(out)
+    return {
+        "requests": parsed["requests"],
+        "rps": parsed["rps"],
+        "errors": parsed["errors"],
+        "ok_share": 1 - parsed["errors"] / max(1, parsed["requests"]),
+        "wall": round(wall, 1),
+        "exits": exits,
+        "wrk": " ".join(argv),
+    }
 
 
 def _split_throughput(

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from chaos import report  # noqa: E402
+from chaos import cluster, report  # noqa: E402
 from chaos.matrix import FUZZ, PROFILES, SCENARIOS_BY_NAME, Profile, run_scenario  # noqa: E402
 from chaos.outcome import Outcome  # noqa: E402
 
@@ -49,10 +49,13 @@ async def run_matrix(
     results = []
     for server in servers:
         for name in names:
-            scenario = FUZZ if name == FUZZ.name else SCENARIOS_BY_NAME[name]
             if verbose:
                 print(f"{name} ({server}) ...", flush=True)
-            out = await run_scenario(scenario, profile, workdir / f"{server}-{name}", server)
+            if name == cluster.NAME:
+                out = await cluster.run_cluster(profile.name, workdir / f"{server}-{name}", server)
+            else:
+                scenario = FUZZ if name == FUZZ.name else SCENARIOS_BY_NAME[name]
+                out = await run_scenario(scenario, profile, workdir / f"{server}-{name}", server)
             results.append((server, out))
             if verbose:
                 state = "pass" if out.passed else "FAIL " + ", ".join(c.name for c in out.failures)
@@ -61,7 +64,7 @@ async def run_matrix(
 
 
 def main(argv: list[str] | None = None) -> int:
-    all_names = [*SCENARIOS_BY_NAME, FUZZ.name]
+    all_names = [*SCENARIOS_BY_NAME, FUZZ.name, cluster.NAME]
     p = argparse.ArgumentParser(description="ModelRelay under staged faults, and a fuzzer.")
     p.add_argument("--quick", action="store_true", help="small counts (the 'quick' profile)")
     p.add_argument("--profile", choices=sorted(PROFILES), help="full, quick or test")

@@ -20,6 +20,10 @@ server, with numbered tokens so a client can check a relayed answer exactly:
 - ``GET /chaos/release`` releases every held request and lets later ones through;
   ``GET /chaos/hold`` makes ``hold`` hold again.
 - ``GET /v1/models``: the one model, ``chaos-model``.
+- A path under ``/w/<name>`` is the same path, served to worker ``<name>`` (its
+  ``--backend-url`` ends with it): ``/chaos/stats`` also counts each worker's requests
+  in progress and the most it ever had at once (``peak``), to check that no worker was
+  handed more than its ``max_concurrent``.
 
 Prints ``upstream listening on http://127.0.0.1:<port>`` once it accepts connections;
 stops on SIGTERM/SIGINT.
@@ -184,6 +188,9 @@ class Backend:
         self.aborted: Counter[str] = Counter()
         self.active: Counter[str] = Counter()
         self.completed = 0
+        #: Requests in progress per worker (``/w/<name>`` paths), and the most at once.
+        self.in_flight: Counter[str] = Counter()
+        self.peak: Counter[str] = Counter()
 
     def stats(self) -> bytes:
         return _dump(
@@ -194,6 +201,8 @@ class Backend:
                 "completed": self.completed,
                 "attempts": dict(self.attempts),
                 "aborted": dict(self.aborted),
+                "in_flight": dict(self.in_flight),
+                "peak": dict(self.peak),
             }
         )
 
@@ -258,6 +267,10 @@ class Connection(asyncio.Protocol):
         self.transport.write(data)
 
     async def _serve(self, method: str, path: str, body: bytes) -> None:
+        worker = ""
+        if path.startswith("/w/"):
+            worker, _, rest = path[3:].partition("/")
+            path = "/" + rest
         backend = self.backend
         if method == "GET":
             if path == "/chaos/stats":
@@ -289,6 +302,9 @@ class Connection(asyncio.Protocol):
         backend.attempts[tag] += 1
         attempt = backend.attempts[tag]
         backend.active[tag] += 1
+        if worker:
+            backend.in_flight[worker] += 1
+            backend.peak[worker] = max(backend.peak[worker], backend.in_flight[worker])
         finished = False
         try:
             if chaos.get("hold") and backend.holding:
@@ -326,6 +342,8 @@ class Connection(asyncio.Protocol):
             backend.active[tag] -= 1
             if not backend.active[tag]:
                 del backend.active[tag]
+            if worker:
+                backend.in_flight[worker] -= 1
             if not finished:
                 backend.aborted[tag] += 1
 

@@ -117,7 +117,52 @@ def cluster(res: dict[str, Any]) -> list[str]:
         f"costs them the placement's Redis round trips ({same_cost} µs per request "
         "same-process above, against (d)'s one process without Redis).",
         "",
+        *_spread_and_rolling(g),
     ]
+
+
+#: Two processes with one worker each: summed server CPU per request, against one process.
+SPREAD_CPU_RATIO = 1.25
+
+
+def _spread_and_rolling(g: dict[str, Any]) -> list[str]:
+    """One worker on each process, the load split; a rolling restart through nginx."""
+    lines: list[str] = []
+    spread, rolling = g.get("spread"), g.get("rolling")
+    if spread:
+        mine, one = spread["us_per_request"], spread["one_us_per_request"]
+        ratio = mine / one if one else float("nan")
+        lines += [
+            *table(
+                ["one worker on each process, 16 connections on each", "measured", "met?"],
+                [
+                    [
+                        "req/s (one process, same-process run above)",
+                        f"{spread['rps']:,.0f} ({g['same']['a']['rps']:,.0f})",
+                        "-",
+                    ],
+                    [
+                        f"server CPU per request, both processes, ≤ {SPREAD_CPU_RATIO:g}x "
+                        "one process's",
+                        f"{mine:,.0f} µs vs {one:,.0f} µs ({ratio:.2f}x)",
+                        _met(ratio <= SPREAD_CPU_RATIO),
+                    ],
+                ],
+            ),
+            "",
+        ]
+    if rolling:
+        exits = ", ".join("not in time" if code is None else str(code) for code in rolling["exits"])
+        lines += [
+            f"Rolling restart: `{rolling['wrk']}` through nginx (deploy/nginx.conf, both "
+            "processes in its upstream) while each process in turn was SIGTERMed, started "
+            "again on its port and left alone for nginx's `fail_timeout` (10 s): "
+            f"{rolling['requests']:,} requests in {rolling['wall']:.0f} s, "
+            f"{rolling['rps']:,.0f} req/s, {rolling['ok_share']:.2%} answered 200 (target "
+            f"100 %: {_met(rolling['ok_share'] >= 1.0)}); exit codes: {exits}.",
+            "",
+        ]
+    return lines
 
 
 def limits(res: dict[str, Any]) -> list[str]:

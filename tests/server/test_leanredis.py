@@ -85,6 +85,20 @@ async def test_the_database_in_the_url_is_selected(redis_server):
         await other.aclose()
 
 
+@pytest.mark.redis
+async def test_its_connection_carries_its_name_in_client_list(redis_server):
+    name = f"modelrelay:{secrets.token_hex(2)}:place"
+    lean = LeanRedis(URL, name=name)
+    reference = aioredis.Redis(host="127.0.0.1", port=6379)
+    try:
+        assert await echo_script(lean)(keys=["k"], args=["named"]) == b"named"
+        names = [c["name"] for c in await reference.client_list()]
+        assert names.count(name) == 1
+    finally:
+        await lean.aclose()
+        await reference.aclose()
+
+
 def test_only_plain_redis_urls_use_it():
     assert lean_client("redis://127.0.0.1:6379/0") is not None
     assert lean_client("redis://:secret@10.0.0.2:6380/2") is not None

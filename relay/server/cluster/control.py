@@ -64,7 +64,12 @@ class Cluster:
         self.prefix = prefix
         self.instance = relay.instance
         self.layer: BaseChannelLayer = get_channel_layer()
-        self.redis = aioredis.from_url(redis_url, socket_timeout=None, decode_responses=True)
+        self.redis = aioredis.from_url(
+            redis_url,
+            socket_timeout=None,
+            decode_responses=True,
+            client_name=f"modelrelay:{self.instance}:control",
+        )
         self.channel: str | None = None
 
     @property

@@ -93,6 +93,8 @@ class Convergence:
 
         def _on_message(self, message: str) -> None: ...
 
+        def _serve_own(self) -> None: ...
+
     # -- registering a worker ------------------------------------------------------
 
     async def join(self, worker: Worker) -> None:
@@ -250,6 +252,8 @@ class Convergence:
         await self._learn_models()
         self.queue_depth = await self.state.queue_depth(list(self.relay.providers))
         self.proxies.prune()
+        if self._leaving:
+            self._serve_own()
 
     # -- state ---------------------------------------------------------------------------
 

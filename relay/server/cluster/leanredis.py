@@ -156,9 +156,11 @@ class _Protocol(asyncio.Protocol):
 class LeanRedis:
     """``await client.evalsha(script, *args)``: one connection, replies in order."""
 
-    def __init__(self, url: str, reply_secs: float = REPLY_SECS) -> None:
+    def __init__(self, url: str, reply_secs: float = REPLY_SECS, name: str | None = None) -> None:
+        """``name``: what ``CLIENT LIST`` calls the connection (``CLIENT SETNAME``)."""
         parts = urlsplit(url)
         self.reply_secs = reply_secs
+        self.name = name
         if parts.scheme not in ("redis", ""):
             raise ValueError(f"the lean Redis client speaks redis:// only, not {parts.scheme}")
         self.host = parts.hostname or "127.0.0.1"
@@ -185,6 +187,8 @@ class LeanRedis:
                     setup.append(("AUTH", *auth))
                 if self.db:
                     setup.append(("SELECT", self.db))
+                if self.name:
+                    setup.append(("CLIENT", "SETNAME", self.name))
                 for command in setup:
                     reply = await self._send(proto, command)
                     if isinstance(reply, Exception):
@@ -271,10 +275,12 @@ class Script:
         return await self.client.evalsha(self.sha, self.source, keys, args)
 
 
-def lean_client(url: str, reply_secs: float = REPLY_SECS) -> LeanRedis | None:
+def lean_client(
+    url: str, reply_secs: float = REPLY_SECS, name: str | None = None
+) -> LeanRedis | None:
     """The lean client for ``url``, or None where it does not apply (TLS, a Unix
     socket, or options it does not read): callers then keep using redis-py."""
     parts = urlsplit(url)
     if parts.scheme != "redis" or parts.query:
         return None
-    return LeanRedis(url, reply_secs)
+    return LeanRedis(url, reply_secs, name)

@@ -175,17 +175,19 @@ class RedisLimitStore:
     ) -> None:
         """``spend_source`` and ``calendar``: where the tokens spent so far are read
         back from after Redis lost its counters, and the periods of now."""
+        # Named, so that CLIENT LIST tells each process's connections and their roles apart.
         self.redis = aioredis.from_url(
             url,
             decode_responses=True,
             socket_timeout=REDIS_TIMEOUT_SECS,
             socket_connect_timeout=REDIS_TIMEOUT_SECS,
+            client_name=f"modelrelay:{instance}:limits",
         )
         self.prefix = f"{prefix}:limits"
         self.instance = instance
         self.lease_ms = max(1, int(lease_secs * 1000))
         #: Admission is on the request path: through the lean client where it applies.
-        self.lean = lean_client(url, REDIS_TIMEOUT_SECS)
+        self.lean = lean_client(url, REDIS_TIMEOUT_SECS, f"modelrelay:{instance}:admit")
         self._admit = Script(self.lean, ADMIT) if self.lean else self.redis.register_script(ADMIT)
         self._finish = self.redis.register_script(FINISH)
         self._beat = self.redis.register_script(BEAT)

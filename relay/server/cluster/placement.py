@@ -74,9 +74,16 @@ class RedisPlacement(Convergence, ClusterPreemption):
         aging = relay.config.priority_aging
         #: Priority classes (SPEC §15): the aging bound the shared queue applies (0: none).
         self.aging_ms = 0 if aging is None else max(1, int(aging * 1000))
-        self.redis = aioredis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=2)
+        # Named, so that CLIENT LIST tells each process's connections and their roles apart
+        # (this pool also holds the pub/sub connection).
+        self.redis = aioredis.from_url(
+            redis_url,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+            client_name=f"modelrelay:{self.instance}:cluster",
+        )
         #: The per-request scripts' own connection (None: they use ``self.redis``).
-        self.lean = lean_client(redis_url)
+        self.lean = lean_client(redis_url, name=f"modelrelay:{self.instance}:place")
         self.state = ClusterState(self.redis, prefix, self.lean)
         self.proxies = ProxyPool(relay, token, self._release_unsent, self._unreachable)
         #: What this process shows the others of its token (never the token itself).
@@ -117,6 +124,8 @@ class RedisPlacement(Convergence, ClusterPreemption):
         entry = self._entry(request)
         self.waiting[entry] = request
         self._spawn(self._place(entry, request))
+        if self._leaving:
+            self._serve_own()
 
     def withdraw(self, request: RelayRequest) -> None:
         entry = self._entry(request)
@@ -130,6 +139,8 @@ class RedisPlacement(Convergence, ClusterPreemption):
                 self._released.setdefault(worker.id, set()).add(lease)
             return
         self._spawn(self._release(worker.id, lease or ""))
+        if self._leaving:
+            self._serve_own()
 
     def worker_changed(self, worker: Worker) -> None:
         self._spawn(self._refresh(worker.id))
@@ -208,6 +219,13 @@ class RedisPlacement(Convergence, ClusterPreemption):
                 self._spawn(self._release(placed.worker_id, entry))
                 self.place(request)
                 return
+            if self.relay.full(worker):
+                # Redis offered a slot this process knows is taken (it lost reservations,
+                # or has not heard yet of work taken here while it could not be reached):
+                # re-assert the busy slots, give this one back, and place the request again.
+                self.waiting[entry] = request
+                self._spawn(self._retake(worker.id, entry, request))
+                return
             request.lease = entry
             self.relay.assign_to(request, worker)
             if not held:
@@ -218,6 +236,16 @@ class RedisPlacement(Convergence, ClusterPreemption):
         )
         request.lease = entry
         self.relay.assign_to(request, stand_in)
+
+    async def _retake(self, worker_id: str, entry: str, request: RelayRequest) -> None:
+        try:
+            await self._announce()
+        except TROUBLE as exc:
+            self._released.setdefault(worker_id, set()).add(entry)  # the next pass drops it
+            self._trouble(exc)
+            return  # (degraded: this process's workers take what waits here meanwhile)
+        await self._release(worker_id, entry)
+        await self._place(entry, request)
 
     def _holding(self, entry: str, worker_id: str) -> bool:
         """Whether a request of ours already runs on ``worker_id`` under ``entry``."""
@@ -308,6 +336,11 @@ class RedisPlacement(Convergence, ClusterPreemption):
             try:
                 await self._announce()
             except TROUBLE as exc:
+                # Still given back: the next pass that Redis hears re-asserts the busy
+                # slots and drops this one in the same step (else it would hold a slot
+                # of an idle worker until its pending lease lapsed).
+                if worker_id in self.relay.registry.workers:
+                    self._released.setdefault(worker_id, set()).add(lease)
                 self._trouble(exc)
                 return
             await self._release(worker_id, lease)
@@ -319,6 +352,21 @@ class RedisPlacement(Convergence, ClusterPreemption):
         (its own waiting requests may still be placed on theirs)."""
         self._leaving = True
         self._poke.set()
+        self._serve_own()
+
+    def _serve_own(self) -> None:
+        """While the server stops, its own waiting requests still take its workers' free
+        slots (no other process is offered them any more): with every worker connected
+        here, they would otherwise wait out the grace and end with 503."""
+        for entry, request in list(self.waiting.items()):
+            if request.phase is not Phase.QUEUED or entry in self._placing:
+                continue
+            worker = self.relay.registry.select(request.provider, request.model, request)
+            if worker is None or worker.remote or self.relay.full(worker):
+                continue
+            self.withdraw(request)  # out of the shared queue; a slot found meanwhile goes back
+            request.lease = entry
+            self.relay.assign_to(request, worker)
 
     def describe(self) -> dict[str, Any]:
         """For ``/health``, ``/admin/stats`` and ``/metrics``."""
