@@ -157,6 +157,9 @@ CLUSTER_ADVERTISE_URL = env_str("CLUSTER_ADVERTISE_URL", "")
 # (0: never), and a flex request loses its slot to a higher class at most this often.
 PRIORITY_AGING_SECS = env_float("PRIORITY_AGING_SECS", 60.0)
 PRIORITY_MAX_PREEMPTIONS = env_int("PRIORITY_MAX_PREEMPTIONS", 3)
+# Requests that do not generate (token counting) one worker runs at once, besides and
+# never in its generation slots.
+NON_GENERATING_PER_WORKER = env_int("NON_GENERATING_PER_WORKER", 4, minimum=1)
 CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:

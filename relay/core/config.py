@@ -50,6 +50,10 @@ class RelayConfig:
     #: this often before its first byte, then keeps it.
     priority_aging: float | None = 60.0
     max_preemptions: int = 3
+    #: Requests that do not generate (token counting, see
+    #: :data:`relay.core.routes.NON_GENERATING`) one worker runs at once, beside its
+    #: generation slots (NON_GENERATING_PER_WORKER).
+    non_generating_per_worker: int = 4
 
 
 @dataclass(frozen=True, slots=True)

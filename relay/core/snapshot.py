@@ -28,6 +28,8 @@ def describe_worker(relay: Relay, worker: Worker) -> dict[str, Any]:
         "reported_load": worker.reported_load,
         "in_flight": len(worker.in_flight),
         "draining": worker.draining,
+        "backend": "unreachable" if worker.backend_error is not None else "ok",
+        "backend_error": worker.backend_error,
         "peer": worker.peer,
         "protocol_version": worker.protocol_version,
         "requests_served": worker.requests_served,

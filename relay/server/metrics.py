@@ -118,6 +118,17 @@ class RelayCollector(Collector):
             load.add_metric([name], sum(w.load for w in members))
             capacity.add_metric([name], sum(w.max_concurrent for w in members))
         yield from (depth, workers, load, capacity)
+        backend_up = GaugeMetricFamily(
+            "modelrelay_worker_backend_up",
+            "1 while a connected worker's backend answers, 0 while the worker reports it "
+            "unreachable (its models are withdrawn meanwhile).",
+            labels=["provider", "worker", "worker_id"],
+        )
+        for worker in sorted(relay.registry.workers.values(), key=lambda w: w.id):
+            backend_up.add_metric(
+                [worker.provider, worker.name, worker.id], 0 if worker.backend_error else 1
+            )
+        yield backend_up
         info = GaugeMetricFamily(
             "modelrelay_process",
             "This server process (its series are its own; in cluster mode scrape each one).",

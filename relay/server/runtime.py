@@ -70,6 +70,7 @@ def relay_config() -> RelayConfig:
         require_protocol_version=s.REQUIRE_PROTOCOL_VERSION,
         priority_aging=s.PRIORITY_AGING_SECS or None,
         max_preemptions=s.PRIORITY_MAX_PREEMPTIONS,
+        non_generating_per_worker=s.NON_GENERATING_PER_WORKER,
     )
 
 

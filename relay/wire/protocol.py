@@ -16,6 +16,13 @@ supports in ``register.features`` and the server only sends it what it announced
   request whose client reads slower than the backend writes; the worker stops
   reading that backend response until ``resume`` (TCP then slows the backend).
   Such a worker also understands every cancel reason in :data:`CancelReason`.
+- ``"backend_health"``: the worker refuses a request its backend never received
+  (connection refused, reset before a byte of answer) with ``error{code:
+  "backend_unreachable"}``, and the server puts the request back in the queue
+  (SPEC §6 requeue rules). Without it the worker answers such a request with a 502.
+  Independently of any feature, ``register`` and ``models_update`` may carry
+  ``backend_error``: the worker withdrew its models because its backend cannot be
+  reached (servers show it to operators; older ones ignore the field).
 """
 
 from __future__ import annotations
@@ -55,8 +62,9 @@ BASE_CANCEL_REASONS = frozenset(
     }
 )
 FLOW_CONTROL = "flow_control"
+BACKEND_HEALTH = "backend_health"
 #: Features this implementation's worker and server both speak.
-FEATURES = (FLOW_CONTROL,)
+FEATURES = (FLOW_CONTROL, BACKEND_HEALTH)
 
 #: Bounds on numbers from a peer: far above any real value, far below what could
 #: overflow a float or a metric (a worker once reported a load of 10**300).
@@ -75,6 +83,9 @@ class TokenCounts(msgspec.Struct, omit_defaults=True):
     prompt_tokens: TokenCount | None = None
     completion_tokens: TokenCount | None = None
     total_tokens: TokenCount | None = None
+    #: True when the backend reported no usage and the worker counted the stream
+    #: itself (an estimate, labelled as such wherever the figure is shown).
+    estimated: bool = False
 
 
 # --- server -> worker --------------------------------------------------------
@@ -148,11 +159,15 @@ class Register(msgspec.Struct, tag="register", tag_field="type"):
     current_load: NonNegative = 0
     #: Optional extensions this worker supports (see the module docstring).
     features: Annotated[list[ShortText], msgspec.Meta(max_length=64)] = []
+    #: Why the worker advertises no models: its backend cannot be reached.
+    backend_error: ShortText | None = None
 
 
 class ModelsUpdate(msgspec.Struct, tag="models_update", tag_field="type"):
     models: list[str]
     current_load: NonNegative | None = None
+    #: Set while the backend cannot be reached (``models`` is then empty): why.
+    backend_error: ShortText | None = None
 
 
 class ResponseChunk(msgspec.Struct, tag="response_chunk", tag_field="type"):
@@ -182,6 +197,9 @@ class Error(msgspec.Struct, tag="error", tag_field="type"):
 #: ``error.code`` with which a worker that is shutting down refuses a request it was
 #: sent before the server knew: the server puts the request back in the queue.
 WORKER_DRAINING = "worker_draining"
+#: ``error.code`` (``backend_health``) for a request the worker's backend never
+#: received: the server requeues it under the rules of SPEC §6.
+BACKEND_UNREACHABLE = "backend_unreachable"
 
 
 WorkerMessage = Register | ModelsUpdate | ResponseChunk | ResponseComplete | Pong | Error
