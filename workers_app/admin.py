@@ -153,6 +153,7 @@ class RequestLogAdmin(ReadOnlyAdmin):
         "duration_ms",
         "prompt_tokens",
         "completion_tokens",
+        "tokens_estimated",
         "requeues",
         "service_class",
         "preemptions",

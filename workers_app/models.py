@@ -208,6 +208,8 @@ class RequestLog(models.Model):
     duration_ms = models.FloatField(default=0.0)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    #: The backend reported no usage: the tokens are the worker's own count of the stream.
+    tokens_estimated = models.BooleanField(default=False)
     requeues = models.PositiveSmallIntegerField(default=0)
     cancel_reason = models.CharField(max_length=32, blank=True)
     service_class = models.CharField(max_length=16, default="default")

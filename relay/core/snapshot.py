@@ -69,6 +69,7 @@ def stats(relay: Relay) -> dict[str, Any]:
         "tokens": {
             "prompt": s.tokens_total("prompt"),
             "completion": s.tokens_total("completion"),
+            "estimated": sum(s.tokens_estimated.values()),
         },
         "requeues": s.requeues,
         "preemptions": s.preemptions,

@@ -238,6 +238,7 @@ class RelayRequest:
             duration=finished - self.created,
             prompt_tokens=counts.prompt_tokens if counts else None,
             completion_tokens=counts.completion_tokens if counts else None,
+            tokens_estimated=bool(counts and counts.estimated),
             requeues=self.requeues,
             created_at=self.created_wall,
             cancel_reason=cancel_reason,

@@ -60,6 +60,15 @@ class RelayCollector(Collector):
         for (model, kind), count in stats.tokens.items():
             tokens.add_metric([model, kind], count)
         yield tokens
+        estimated = CounterMetricFamily(
+            "modelrelay_tokens_estimated",
+            "The part of modelrelay_tokens that workers counted themselves because the "
+            "backend reported no usage.",
+            labels=["model", "kind"],
+        )
+        for (model, kind), count in stats.tokens_estimated.items():
+            estimated.add_metric([model, kind], count)
+        yield estimated
         cancels = CounterMetricFamily(
             "modelrelay_cancels", "Cancels sent to workers, by reason.", labels=["reason"]
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import codecs
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 import httpx
@@ -31,7 +31,12 @@ from relay.worker.connection import BackendConnection, BodyTooLarge, NoAnswer
 from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
 from relay.worker.pool import ConnectionPool
-from relay.worker.usage import UsageScanner
+from relay.worker.usage import (
+    USAGE_ON_REQUEST,
+    UsageScanner,
+    UsageStripper,
+    ask_for_usage,
+)
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
 log = logging.getLogger("modelrelay.worker")
@@ -134,10 +139,10 @@ class _Forwarder:
 
     __slots__ = ("_decode", "_post", "_prefix", "_scan", "sent")
 
-    def __init__(self, request_id: str, scanner: UsageScanner, outbox: Outbox) -> None:
+    def __init__(self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox) -> None:
         self._prefix = chunk_prefix(request_id)
         self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
-        self._scan = scanner.feed
+        self._scan = scan
         self._post = outbox.post
         self.sent = False
 
@@ -148,10 +153,35 @@ class _Forwarder:
             self.sent = True
             self._post(chunk_frame(self._prefix, text))
 
+    def _emit(self, data: bytes) -> None:
+        text = self._decode(data)
+        if text:
+            self.sent = True
+            self._post(chunk_frame(self._prefix, text))
+
     def finish(self) -> None:
         text = self._decode(b"", True)
         if text:
             self._post(chunk_frame(self._prefix, text))
+
+
+class _StrippingForwarder(_Forwarder):
+    """A :class:`_Forwarder` for a stream whose usage the worker asked for: the usage
+    event the client did not ask for is read, then left out (:class:`UsageStripper`)."""
+
+    __slots__ = ("_stripper",)
+
+    def __init__(self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox) -> None:
+        super().__init__(request_id, scan, outbox)
+        self._stripper = UsageStripper(self._emit)
+
+    def feed(self, data: bytes) -> None:
+        self._scan(data)
+        self._stripper.feed(data)
+
+    def finish(self) -> None:
+        self._stripper.finish()
+        super().finish()
 
 
 def flavor_of(endpoint_path: str) -> Flavor:
@@ -323,7 +353,14 @@ class Backend:
         forwarder: _Forwarder | None = None
         conn: BackendConnection | None = None
         try:
-            body = request.body.encode()
+            # Every response is charged (relay/worker/usage.py): a chat/completions
+            # stream is asked for its usage when its client did not ask.
+            asked = (
+                ask_for_usage(request.endpoint_path, request.body)
+                if (request.is_streaming and request.endpoint_path in USAGE_ON_REQUEST)
+                else None
+            )
+            body = (request.body if asked is None else asked).encode()
             head = request_head(
                 self.origin, request.endpoint_path, _backend_headers(request.headers), len(body)
             )
@@ -342,7 +379,12 @@ class Backend:
             content_type = resp.get("content-type")
             is_json = "json" in content_type.lower()
             if request.is_streaming and 200 <= resp.status < 300 and not is_json:
-                forwarder = _Forwarder(rid, scanner, outbox)
+                if request.endpoint_path in USAGE_ON_REQUEST:
+                    scanner.estimate(len(request.body))
+                    kind = _Forwarder if asked is None else _StrippingForwarder
+                    forwarder = kind(rid, scanner.count, outbox)
+                else:
+                    forwarder = _Forwarder(rid, scanner.feed, outbox)
                 outbox.watch(conn)
                 if valve is not None:
                     valve.attach(conn)

@@ -29,6 +29,7 @@ from websockets.http11 import Response as HandshakeResponse
 
 import worker
 from relay.wire.protocol import (
+    BACKEND_HEALTH,
     FLOW_CONTROL,
     WORKER_DRAINING,
     Cancel,
@@ -465,7 +466,7 @@ async def test_it_registers_with_its_name_models_capacity_and_secret(
             max_concurrent=3,
             protocol_version="1",
             current_load=0,
-            features=[FLOW_CONTROL],
+            features=[FLOW_CONTROL, BACKEND_HEALTH],
         )
         assert side.ws.request is not None
         assert side.ws.request.path == "/v1/worker/connect?provider=gpu-pool"
@@ -633,14 +634,15 @@ async def test_token_counts_are_read_from_every_api(
     assert complete.token_counts == TokenCounts(11, 3, 14)
 
 
-async def test_no_token_counts_when_the_backend_reports_no_usage(
+async def test_a_stream_that_declined_usage_is_still_charged_without_seeing_it(
     connected: tuple[RelaySide, FakeUpstream],
 ) -> None:
     side, _ = connected
     extra = {"stream_options": {"include_usage": False}}
     await side.request("r-n", CHAT, stream=True, extra=extra)
     complete = await side.complete("r-n")
-    assert complete.status_code == 200 and complete.token_counts is None
+    assert complete.status_code == 200 and complete.token_counts == TokenCounts(7, 5, 12)
+    assert '"usage"' not in "".join(side.chunks("r-n"))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -788,7 +790,7 @@ async def test_pause_stops_reading_that_backend_response_until_resume(
     up = flow_upstream
     async with running(config(relay.url, up.url)):
         side = await relay.registered()
-        assert side.register is not None and side.register.features == [FLOW_CONTROL]
+        assert side.register is not None and FLOW_CONTROL in side.register.features
         body, seen, at_pause = await paused_mid_flood(side, up, "r-p")
         held = seen.bytes_written
         assert relayed(side, "r-p") - at_pause <= READ_AHEAD
