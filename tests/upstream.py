@@ -739,7 +739,8 @@ def _responses_events(model: str, tokens: int, prompt: int) -> list[bytes]:
 class ThreadedUpstream:
     """A :class:`FakeUpstream` on its own event loop in a daemon thread."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, port: int = 0, **options: Any) -> None:
+        self.port = port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._options = options
@@ -752,6 +753,9 @@ class ThreadedUpstream:
     @property
     def requests(self) -> list[Recorded]:
         return self.upstream.requests
+
+    def requests_to(self, path: str) -> list[Recorded]:
+        return self.upstream.requests_to(path)
 
     def call(self, factory: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
         """Run ``factory()`` on the upstream's loop and wait for its result."""
@@ -766,7 +770,7 @@ class ThreadedUpstream:
         self._thread.start()
 
         async def make() -> FakeUpstream:  # Events and locks belong to this loop
-            return await FakeUpstream(**self._options).start()
+            return await FakeUpstream(**self._options).start(self.port)
 
         self.upstream = self.call(make)
         return self
@@ -797,9 +801,9 @@ class ThreadedUpstream:
 
 
 @contextlib.contextmanager
-def upstream_in_thread(**options: Any) -> Iterator[ThreadedUpstream]:
+def upstream_in_thread(port: int = 0, **options: Any) -> Iterator[ThreadedUpstream]:
     """``with upstream_in_thread(tokens=3) as up: httpx.post(up.url + ...)``"""
-    threaded = ThreadedUpstream(**options).start()
+    threaded = ThreadedUpstream(port, **options).start()
     try:
         yield threaded
     finally:
