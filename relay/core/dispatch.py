@@ -304,7 +304,10 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         request.worker_name = worker.name
         worker.in_flight[request.id] = request
         if request.light:
-            worker.light += 1
+            if request.lease is None:
+                worker.light += 1
+            else:  # the cluster's placement reserved it a slot: it holds one like any
+                request.light = False
         worker.link.send(
             protocol.Request(
                 request_id=request.id,
