@@ -177,7 +177,7 @@ class _StrippingForwarder(_Forwarder):
 
     def feed(self, data: bytes) -> None:
         self._scan(data)
-        self._stripper.feed(data)
+        self._stripper.feed(data)  # which calls _emit with what may go out now
 
     def finish(self) -> None:
         self._stripper.finish()

@@ -240,6 +240,9 @@ class UsageStripper:
         if self._held:
             data = self._held + data
             self._held = b""
+        elif data.endswith(b"\n\n") and b'"usage"' not in data:
+            self._sink(data)  # whole events, nothing to take out: the usual read
+            return
         lf = data.rfind(b"\n\n")
         crlf = data.rfind(b"\r\n\r\n")
         end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
