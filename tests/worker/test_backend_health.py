@@ -104,3 +104,17 @@ async def test_a_backend_that_resets_before_answering_hands_the_request_back_and
                 assert not [m for m in side.received if isinstance(m, ModelsUpdate)]
     finally:
         server.close()
+
+
+async def test_a_worker_reconnecting_while_its_backend_is_down_registers_without_models() -> None:
+    backend = f"http://127.0.0.1:{unused_port()}"
+    async with FakeRelay() as relay:
+        cfg = config(relay.url, backend, "--models", "m", "--max-concurrent", "1", *PROBE)
+        async with running(cfg):
+            side = await relay.registered()
+            await side.request("r-1", CHAT)
+            await side.wait_for(ModelsUpdate, lambda u: u.models == [])
+            await side.ws.close(1012, "server restarting")
+            again = await relay.registered(1)
+            assert again.register is not None and again.register.models == []
+            assert again.register.backend_error is not None
