@@ -78,3 +78,14 @@ async def test_without_a_worker_serving_the_model_it_waits_like_any_request():
     assert counted.phase is Phase.QUEUED
     relay.on_models_update(worker, ["m"], 0)
     assert counted.worker is worker and worker.load == 0
+
+
+async def test_one_the_cluster_placed_under_a_lease_holds_a_slot_like_any():
+    relay = make_relay()
+    worker, _ = attach(relay, max_concurrent=1)
+    relay.on_models_update(worker, [], 0)
+    counted = count_tokens(relay)  # queued: no worker serves the model here
+    relay.on_models_update(worker, ["other"], 0)
+    counted.lease = "lease-1"  # what the placement does before assign_to
+    assert relay.assign_to(counted, worker)
+    assert not counted.light and worker.light == 0 and worker.load == 1
