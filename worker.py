@@ -39,6 +39,10 @@ Guarantees (SPEC §7):
   logged at ERROR and retried slowly; a relay that announced its ping period and
   then sends nothing for ``--server-silence-secs`` (default: three periods, at
   least 5 s) counts as lost too;
+- a request the backend never received (connection refused, reset before a byte of
+  answer) is handed back for the relay to requeue (``backend_unreachable``); a
+  backend that refuses connections makes the worker withdraw its models (naming the
+  error) until a probe, repeated with backoff, finds it answering again;
 - SIGTERM/SIGINT drains: stop taking work, finish in-flight requests, exit 0;
   a second signal exits at once with status 1. Requests that arrive meanwhile are
   refused with a ``worker_draining`` error, which the relay requeues.
@@ -66,6 +70,7 @@ from relay.wire.logrecord import formatter
 from relay.wire.protocol import ModelsUpdate
 from relay.worker.backend import Backend, BackendNotReady
 from relay.worker.config import Config, parse_config
+from relay.worker.outbox import encode
 from relay.worker.session import Session
 from relay.worker.tracing import from_environment as tracing_from_environment
 
@@ -113,6 +118,9 @@ class Worker:
         self._discovery = asyncio.Lock()
         #: Spans around backend calls when OTEL_* turns tracing on (SPEC §17).
         self.tracing = tracing_from_environment()
+        #: Set while the backend cannot be reached (what failed); None while it answers.
+        self.backend_error: str | None = None
+        self._probe: asyncio.Task[None] | None = None
 
     @property
     def backend(self) -> Backend:
@@ -120,7 +128,7 @@ class Worker:
         return self._backend
 
     def advertised(self) -> list[str]:
-        return [] if self.draining else list(self.models)
+        return [] if self.draining or self.backend_error is not None else list(self.models)
 
     async def run(self) -> int:
         """Serve until stopped; returns the process exit code (0 after a drain)."""
@@ -134,6 +142,11 @@ class Worker:
                     task = asyncio.current_task()
                     if task is not None and task.cancelling():
                         raise  # run() itself was cancelled, not just stopped
+                finally:
+                    probe, self._probe = self._probe, None
+                    if probe is not None:
+                        probe.cancel()
+                        await asyncio.gather(probe, return_exceptions=True)
         finally:
             if self.tracing is not None:  # export the spans still buffered
                 await asyncio.to_thread(self.tracing.shutdown)
@@ -275,20 +288,83 @@ class Worker:
         )
 
     async def refresh_models(self, session: Session, *, always: bool) -> None:
-        """Re-read the backend's models; tell the relay when they changed (or ``always``)."""
+        """Re-read the backend's models; tell the relay when they changed (or ``always``).
+
+        A backend that refuses connections is marked unreachable (its models are
+        withdrawn until the probe finds it again); one that answers uselessly keeps
+        the last list.
+        """
         changed = False
-        if self.config.models is None:
+        if self.config.models is None and self.backend_error is None:
             async with self._discovery:
                 try:
                     models = await self.backend.discover_models()
                 except BackendNotReady as exc:
+                    if exc.unreachable:
+                        self.backend_unreachable(str(exc))  # tells the relay itself
+                        return
                     log.warning("model discovery failed (%s); keeping the last list", exc)
                     models = self.models
                 changed, self.models = models != self.models, models
             if changed:
                 log.info("backend models changed: %s", ", ".join(models) or "(none)")
         if always or (changed and not self.draining):
-            await session.send(ModelsUpdate(models=self.advertised(), current_load=session.load))
+            await session.send(self._models_update(session))
+
+    def _models_update(self, session: Session) -> ModelsUpdate:
+        return ModelsUpdate(
+            models=self.advertised(), current_load=session.load, backend_error=self.backend_error
+        )
+
+    # -- an unreachable backend ------------------------------------------------------
+
+    def backend_unreachable(self, problem: str) -> None:
+        """The backend refused a connection: withdraw the models, probe until it answers.
+
+        Called from a request's task or the model refresh. The relay hears it before
+        anything the caller sends next on the same connection (the frame is posted
+        now), so it stops routing here before it sees that request handed back.
+        """
+        if self.backend_error is not None:
+            return
+        self.backend_error = problem[:1000]
+        log.warning(
+            "backend at %s cannot be reached (%s): withdrawing the models until it answers",
+            self.config.backend_url,
+            problem,
+        )
+        session = self._session
+        if session is not None:
+            session.outbox.post(encode(self._models_update(session)))
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_backend(), name="backend probe")
+
+    async def _probe_backend(self) -> None:
+        """Ask the backend with backoff until it answers; then advertise again."""
+        c = self.config
+        delays = Backoff(c.backend_probe_min_secs, c.backend_probe_max_secs)
+        while True:
+            await asyncio.sleep(delays.next())
+            try:
+                models = await self.backend.probe()
+            except BackendNotReady as exc:
+                log.debug("backend probe: %s", exc)
+                continue
+            except Exception:  # a bug must not leave the models withdrawn for good
+                log.exception("backend probe failed unexpectedly")
+                continue
+            break
+        if models is not None:
+            self.models = models
+        self.backend_error = None
+        log.info(
+            "backend at %s answers again: advertising %s",
+            c.backend_url,
+            ", ".join(self.models) or "(none)",
+        )
+        session = self._session
+        if session is not None and not self.draining:
+            session.outbox.post(encode(self._models_update(session)))
 
 
 def configure_logging(level: str, kind: str = "text") -> None:

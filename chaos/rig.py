@@ -210,6 +210,9 @@ class Rig:
                 "0.5",
                 "--fatal-retry-secs",
                 "1",
+                # A backend that comes back is found within a second (not up to ten).
+                "--backend-probe-max-secs",
+                "1",
                 *self.worker_args,
             ],
             env=worker_env(),

@@ -173,6 +173,9 @@ AFFINITY_LOAD_FACTOR = env_float("AFFINITY_LOAD_FACTOR", 1.25)
 AFFINITY_TTL_SECS = env_float("AFFINITY_TTL_SECS", 3600.0)
 if AFFINITY_LOAD_FACTOR < 1.0:
     raise ImproperlyConfigured("AFFINITY_LOAD_FACTOR must be at least 1")
+# Requests that do not generate (token counting) one worker runs at once, besides and
+# never in its generation slots.
+NON_GENERATING_PER_WORKER = env_int("NON_GENERATING_PER_WORKER", 4, minimum=1)
 CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:

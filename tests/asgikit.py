@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 from asgiref.testing import ApplicationCommunicator
 from channels.testing import WebsocketCommunicator
 
@@ -162,7 +163,7 @@ class FakeWorker:
                 status_code=status,
                 headers={"content-type": "application/json"} if headers is None else headers,
                 body=body,
-                token_counts=protocol.TokenCounts(**counts) if counts else None,
+                token_counts=msgspec.convert(counts, protocol.TokenCounts) if counts else None,
             )
         )
 

@@ -322,25 +322,30 @@ def test_an_operator_drain_lets_the_request_finish_and_the_worker_exits_0(
         assert worker.log.count("connected to proxy") == 1  # it did not come back
 
 
-def test_a_dead_backend_is_a_clean_502_and_the_worker_stays(relay_server: LiveServer) -> None:
+def test_a_dead_backend_withdraws_the_worker_and_its_requests_wait_for_another(
+    relay_server_factory: Any,
+) -> None:
     backend = f"http://127.0.0.1:{unused_port()}"
     flags = ("--models", MODEL, "--max-concurrent", "2")
-    with running_worker(relay_server, backend, *flags) as worker:
-        poll(lambda: routable(relay_server), what="the worker to register")
-        chat = httpx.post(relay_server.url + CHAT, content=body_for(CHAT), headers=JSON, timeout=10)
-        assert chat.status_code == 502
-        assert chat.json()["error"]["type"] == "server_error"
+    with (
+        relay_server_factory(QUEUE_TIMEOUT_SECS="0.5") as server,
+        running_worker(server, backend, *flags) as worker,
+    ):
+        poll(lambda: routable(server), what="the worker to register")
+        chat = httpx.post(server.url + CHAT, content=body_for(CHAT), headers=JSON, timeout=10)
+        # Handed back, requeued, no other worker: the client's queue timeout, not a 502.
+        assert chat.status_code == 504
+        assert chat.json()["error"]["message"] == "Request timed out waiting for worker"
         messages = httpx.post(
-            relay_server.url + MESSAGES,
+            server.url + MESSAGES,
             content=body_for(MESSAGES, stream=True),
             headers=JSON,
             timeout=10,
         )
-        assert messages.status_code == 502
+        assert messages.status_code == 504
         assert messages.json()["type"] == "error"
-        assert messages.json()["error"]["type"] == "api_error"
-        assert workers_connected(relay_server) == 1
-        assert "backend error" in worker.log
+        assert workers_connected(server) == 1
+        assert "withdrawing the models until it answers" in worker.log
         assert worker.process.poll() is None
 
 

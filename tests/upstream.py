@@ -11,7 +11,8 @@ Endpoints:
 - ``POST /v1/chat/completions``, ``/v1/responses``, ``/v1/messages``,
   ``/v1/completions``: JSON with usage, or with ``"stream": true`` server-sent events
   in each API's real shape, usage included (chat and completions: a final
-  ``choices: []`` chunk, then ``data: [DONE]``);
+  ``choices: []`` chunk, then ``data: [DONE]``, when ``stream_options.include_usage``
+  asks for it, see ``stream_usage``);
 - ``POST /v1/embeddings`` (a 4-dimensional vector per input), ``/v1/messages/count_tokens``,
   ``/v1/rerank`` and ``/v1/score`` (llama-server / vLLM shapes), ``/v1/audio/speech``
   (a few bytes of ``audio/mpeg``, for operator-added routes);
@@ -52,6 +53,7 @@ import msgspec
 
 T = TypeVar("T")
 Framing = Literal["chunked", "close"]
+StreamUsage = Literal["when_asked", "openai", "unless_declined", "never"]
 
 CREATED = 1_700_000_000
 #: Every token carries this 3-byte character; ``split_utf8`` cuts it between writes.
@@ -152,6 +154,7 @@ class FakeUpstream:
         framing: Framing = "chunked",
         record: bool = True,
         send_buffer: int | None = None,
+        stream_usage: StreamUsage = "when_asked",
     ) -> None:
         self.models = ["mock-model"] if models is None else models
         #: ``None``: ``GET /props`` answers 404 (vLLM, Ollama).
@@ -174,6 +177,12 @@ class FakeUpstream:
         #: which may buffer megabytes on loopback): bounds what a stalled client leaves
         #: queued in this process's kernel.
         self.send_buffer = send_buffer
+        #: When chat/completions streams end with a usage chunk: ``when_asked`` (only when
+        #: ``stream_options.include_usage`` is true: llama-server), ``openai`` (the same,
+        #: and then ``"usage":null`` in every other chunk: OpenAI and vLLM),
+        #: ``unless_declined`` (unless it is false), or ``never`` (a backend that
+        #: ignores the option).
+        self.stream_usage: StreamUsage = stream_usage
         self.requests: list[Recorded] = []
         #: POSTs being answered now, and the most there ever were at once.
         self.in_flight = 0
@@ -412,13 +421,20 @@ class FakeUpstream:
             else "connection: close\r\n\r\n"
         )
         writer.write(head.encode())
-        include_usage = (req.stream_options or {}).get("include_usage", True)
+        asked = (req.stream_options or {}).get("include_usage")
+        usage = self.stream_usage
+        include_usage = asked is not False if usage == "unless_declined" else asked is True
+        if usage == "never":
+            include_usage = False
         events = _events(path, req.model, tokens, prompt, include_usage)
+        if usage == "openai" and include_usage:
+            events = [_null_usage(e) for e in events]
         for index, event in enumerate(events):
             if mock.break_after is not None and index > mock.break_after:
                 writer.transport.abort()  # a broken stream: no terminating chunk
                 raise _ClientGone()
-            if mock.padding > 0:
+            if mock.padding > 0 and b'"choices":[],"usage"' not in event:
+                # (Not before a usage chunk: a stream is the same with it or without.)
                 event = b": " + b"-" * mock.padding + b"\n\n" + event
             pieces = [event]
             if mock.split_utf8 and _EURO in event:
@@ -610,6 +626,13 @@ def _response_object(
     }
 
 
+def _null_usage(event: bytes) -> bytes:
+    """A chunk as OpenAI sends it once usage was asked for: ``"usage":null`` added."""
+    if event.startswith(b"data: {") and b'"usage"' not in event:
+        return event[: event.rindex(b"}")] + b',"usage":null}' + b"\n\n"
+    return event
+
+
 def _sse(data: Any, event: str | None = None) -> bytes:
     prefix = b"event: " + event.encode() + b"\n" if event else b""
     return prefix + b"data: " + _json.encode(data) + b"\n\n"
@@ -728,7 +751,8 @@ def _responses_events(model: str, tokens: int, prompt: int) -> list[bytes]:
 class ThreadedUpstream:
     """A :class:`FakeUpstream` on its own event loop in a daemon thread."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, port: int = 0, **options: Any) -> None:
+        self.port = port
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._options = options
@@ -741,6 +765,9 @@ class ThreadedUpstream:
     @property
     def requests(self) -> list[Recorded]:
         return self.upstream.requests
+
+    def requests_to(self, path: str) -> list[Recorded]:
+        return self.upstream.requests_to(path)
 
     def call(self, factory: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
         """Run ``factory()`` on the upstream's loop and wait for its result."""
@@ -755,7 +782,7 @@ class ThreadedUpstream:
         self._thread.start()
 
         async def make() -> FakeUpstream:  # Events and locks belong to this loop
-            return await FakeUpstream(**self._options).start()
+            return await FakeUpstream(**self._options).start(self.port)
 
         self.upstream = self.call(make)
         return self
@@ -786,9 +813,9 @@ class ThreadedUpstream:
 
 
 @contextlib.contextmanager
-def upstream_in_thread(**options: Any) -> Iterator[ThreadedUpstream]:
+def upstream_in_thread(port: int = 0, **options: Any) -> Iterator[ThreadedUpstream]:
     """``with upstream_in_thread(tokens=3) as up: httpx.post(up.url + ...)``"""
-    threaded = ThreadedUpstream(**options).start()
+    threaded = ThreadedUpstream(port, **options).start()
     try:
         yield threaded
     finally:

@@ -154,6 +154,7 @@ class RequestLogAdmin(ReadOnlyAdmin):
         "prompt_tokens",
         "completion_tokens",
         "cached_tokens",
+        "tokens_estimated",
         "requeues",
         "service_class",
         "preemptions",

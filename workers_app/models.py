@@ -210,6 +210,8 @@ class RequestLog(models.Model):
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
     #: Prompt tokens the backend said it reused from its cache (SPEC §14).
     cached_tokens = models.PositiveIntegerField(null=True, blank=True)
+    #: The backend reported no usage: the tokens are the worker's own count of the stream.
+    tokens_estimated = models.BooleanField(default=False)
     requeues = models.PositiveSmallIntegerField(default=0)
     cancel_reason = models.CharField(max_length=32, blank=True)
     service_class = models.CharField(max_length=16, default="default")

@@ -80,6 +80,7 @@ class Capacity:
         logger.info("worker disconnected: %s (%s): %s", worker.name, worker.id, reason)
         orphans = sorted(worker.in_flight.values(), key=lambda r: r.seq)
         worker.in_flight.clear()
+        worker.light = 0
         touched: set[str] = set()
         for request in orphans:
             request.worker = None
@@ -149,12 +150,16 @@ class Capacity:
 
     # ------------------------------------------------------------------ capacity
 
-    def _freed(self, worker: Worker, lease: str | None = None) -> None:
+    def _freed(self, worker: Worker, lease: str | None = None, *, light: bool = False) -> None:
         """A slot on ``worker`` may have opened (the request holding ``lease`` just left
         it): close the worker if drained, else feed it — from the shared queue in
-        cluster mode."""
+        cluster mode. ``light``: the request that left took no generation slot."""
         if worker.remote or not worker.attached:
             return  # a stand-in's slots are the owning process's to free
+        if light:
+            if worker.draining and not worker.in_flight:
+                self.close_worker(worker, 1000, "worker drained")
+            return
         if self.placement is not None:
             # Releases the lease (or, while the cluster cannot be reached, remembers to);
             # no new work for a draining worker.

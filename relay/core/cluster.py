@@ -71,7 +71,7 @@ class ClusterSide:
     def full(worker: Worker) -> bool:
         """Whether every slot of a local worker is taken by a request this process runs
         on it (the count the shared reservations must never fall below)."""
-        return len(worker.in_flight) >= worker.max_concurrent
+        return len(worker.in_flight) - worker.light >= worker.max_concurrent
 
     def set_remote_models(self, models: dict[str, frozenset[str]]) -> None:
         """Cluster mode: what the workers of the other processes serve now. A model that

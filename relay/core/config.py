@@ -53,6 +53,10 @@ class RelayConfig:
     max_preemptions: int = 3
     #: Cache-aware routing (SPEC §14): ROUTING_POLICY and the AFFINITY_* settings.
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
+    #: Requests that do not generate (token counting, see
+    #: :data:`relay.core.routes.NON_GENERATING`) one worker runs at once, beside its
+    #: generation slots (NON_GENERATING_PER_WORKER).
+    non_generating_per_worker: int = 4
 
 
 @dataclass(frozen=True, slots=True)

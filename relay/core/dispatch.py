@@ -37,6 +37,7 @@ from relay.core.placement import Placement
 from relay.core.preemption import Preemption
 from relay.core.providers import ProviderState, ProviderTable
 from relay.core.registry import Registry
+from relay.core.routes import NON_GENERATING
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
 from relay.core.tracer import RequestTracer
@@ -158,6 +159,14 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
                 if self.placement is not None:
                     affinity.anchor()  # what the cluster places it by, computed once
                 affinity.sent()  # the body's bytes are not held a moment longer
+        if endpoint_path in NON_GENERATING:
+            request.light = True
+            try:
+                if self._place_light(request, candidates, now):
+                    return request
+            except RelayError as exc:
+                self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+                raise
         if self.clustered:
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.
@@ -199,6 +208,42 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
             if worker is not None:
                 return worker
         return self.registry.select(provider, model, request)
+
+    def _place_light(
+        self,
+        request: RelayRequest,
+        candidates: list[tuple[ProviderState, str]],
+        now: float,
+    ) -> bool:
+        """Send a request that generates nothing straight to a worker serving its model.
+
+        It takes no generation slot: of the workers connected here, the one running the
+        fewest such requests below NON_GENERATING_PER_WORKER gets it. False when no
+        worker here serves the model (it then waits for one like any request; in
+        cluster mode the placement finds one anywhere, in a generation slot); raises
+        QueueFull when every one that does is at that cap.
+        """
+        cap = self.config.non_generating_per_worker
+        serving = False
+        for state, target in candidates:
+            best: Worker | None = None
+            for worker in self.registry.serving_workers(state.policy.name, target):
+                if worker.draining:
+                    continue
+                if worker.refuses is not None and worker.refuses(request) is not None:
+                    continue
+                serving = True
+                if worker.light < cap and (best is None or worker.light < best.light):
+                    best = worker
+            if best is not None:
+                self._aim(request, state, target)
+                self.active += 1
+                self._assign(request, best, now)
+                return True
+        if serving:
+            logger.warning("no room for a non-generating request: model=%s", request.model)
+            raise QueueFull()
+        return False
 
     def _check_frame(
         self,
@@ -292,6 +337,11 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         worker.in_flight[request.id] = request
         if request.affinity is not None:
             self.router.assigned(request, worker)
+        if request.light:
+            if request.lease is None:
+                worker.light += 1
+            else:  # the cluster's placement reserved it a slot: it holds one like any
+                request.light = False
         worker.link.send(
             protocol.Request(
                 request_id=request.id,
@@ -316,7 +366,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         worker = request.worker
         if worker is None:
             return
-        worker.in_flight.pop(request.id, None)
+        worker.take(request.id)
         request.worker = None
         if worker.attached:
             if (
@@ -326,7 +376,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
                 reason = "client_disconnect"  # the nearest reason every worker knows
             worker.link.send(protocol.Cancel(request_id=request.id, reason=reason))
             self.stats.cancels[reason] += 1
-            self._freed(worker, request.lease)
+            self._freed(worker, request.lease, light=request.light)
 
     def _arm(self, request: RelayRequest, when: float) -> None:
         if request.timer is not None:

@@ -220,7 +220,7 @@ class Relay(Dispatcher):
         self._finish(request, SlowClient())
 
     def on_complete(self, worker: Worker, message: protocol.ResponseComplete) -> None:
-        request = worker.in_flight.pop(message.request_id, None)
+        request = worker.take(message.request_id)
         if request is None:
             self._stray(worker, "response_complete", message.request_id)
             return
@@ -243,19 +243,32 @@ class Relay(Dispatcher):
             request.token_counts = message.token_counts
             self.router.completed(request, worker, message.token_counts)
             self._finish(request, Completion(message.status_code, message.headers, body.encode()))
-        self._freed(worker, request.lease)
+        self._freed(worker, request.lease, light=request.light)
 
     def on_worker_error(self, worker: Worker, message: protocol.Error) -> None:
         if message.request_id is None:
             logger.warning("worker %s reported: %s", worker.name, message.message[:500])
             return
-        request = worker.in_flight.pop(message.request_id, None)
+        request = worker.take(message.request_id)
         if request is None:
             self._stray(worker, "error", message.request_id)
             return
         request.worker = None
         lease = request.lease  # requeueing takes the request's reservation away
-        if message.code == protocol.WORKER_DRAINING:
+        handed_back = message.code == protocol.BACKEND_UNREACHABLE
+        if handed_back and protocol.BACKEND_HEALTH in worker.features:
+            # Its backend never received it (SPEC §6: nothing reached the client):
+            # back to the front of the queue, one requeue spent. The worker withdrew
+            # its models first when its backend is down, so it is not picked again.
+            logger.info(
+                "worker %s: backend did not take %s (%s); requeueing",
+                worker.name,
+                request.id,
+                message.message[:200],
+            )
+            if self._requeue(request):
+                self._dispatch_provider(request.provider)
+        elif message.code == protocol.WORKER_DRAINING:
             # Sent to a worker that was already shutting down: it never started, so
             # it goes back to the front of the queue at no cost to its requeue budget.
             logger.info(
@@ -278,7 +291,7 @@ class Relay(Dispatcher):
                 extra={"request_id": request.id},
             )
             self._finish(request, WorkerFailed())
-        self._freed(worker, lease)
+        self._freed(worker, lease, light=request.light)
 
     def on_pong(self, worker: Worker, current_load: int) -> None:
         worker.last_pong = self.loop.time()
@@ -289,8 +302,21 @@ class Relay(Dispatcher):
             self._feed(worker)
 
     def on_models_update(
-        self, worker: Worker, models: list[str], current_load: int | None
+        self,
+        worker: Worker,
+        models: list[str],
+        current_load: int | None,
+        backend_error: str | None = None,
     ) -> list[str]:
+        """The worker's new model list; ``backend_error`` says why it withdrew them."""
+        if backend_error != worker.backend_error:
+            if backend_error is None:
+                logger.info("worker %s: its backend answers again", worker.name)
+            else:
+                logger.warning(
+                    "worker %s: its backend cannot be reached (%s)", worker.name, backend_error
+                )
+            worker.backend_error = backend_error
         state = self.providers.get(worker.provider)
         cap = state.policy.max_models_per_worker if state else self.config.max_models_per_worker
         accepted, warnings = self._acceptable(worker.provider, models, cap)
@@ -320,7 +346,7 @@ class Relay(Dispatcher):
     def on_remote_complete(self, worker: Worker, request_id: str, completion: Completion) -> None:
         """The other process's whole answer (the status and headers it sent the relay,
         and the body of a response that was not streamed)."""
-        request = worker.in_flight.pop(request_id, None)
+        request = worker.take(request_id)
         if request is None:
             return
         request.worker = None
@@ -329,7 +355,7 @@ class Relay(Dispatcher):
     def on_remote_lost(self, worker: Worker, request_id: str, *, spend: bool) -> None:
         """The other process could not serve the request (its worker was gone, or the
         process itself): put it back in the queue while nothing reached the client."""
-        request = worker.in_flight.pop(request_id, None)
+        request = worker.take(request_id)
         if request is None:
             return
         request.worker = None

@@ -35,6 +35,22 @@ DEFAULT_ROUTES: dict[str, Flavor] = {
     "/v1/score": "openai",
 }
 
+#: Routed paths whose requests generate nothing (token counting and templating, as
+#: served by Anthropic, llama-server and vLLM): they never take or wait for a
+#: generation slot, and run on any worker serving the model, at most
+#: NON_GENERATING_PER_WORKER at once on each (relay/core/dispatch.py). Listed here,
+#: they apply once routed (the defaults, or ``RELAY_ROUTES``).
+NON_GENERATING: frozenset[str] = frozenset(
+    {
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
+        "/apply-template",
+        "/v1/tokenize",
+        "/v1/detokenize",
+    }
+)
+
 #: Paths the relay answers itself; no route may shadow them.
 RESERVED_PREFIXES = ("/v1/models", "/v1/worker/", "/health", "/metrics", "/admin", "/api/")
 _FLAVORS: frozenset[str] = frozenset({"openai", "anthropic", "responses"})

@@ -28,6 +28,8 @@ def describe_worker(relay: Relay, worker: Worker) -> dict[str, Any]:
         "reported_load": worker.reported_load,
         "in_flight": len(worker.in_flight),
         "draining": worker.draining,
+        "backend": "unreachable" if worker.backend_error is not None else "ok",
+        "backend_error": worker.backend_error,
         "peer": worker.peer,
         "protocol_version": worker.protocol_version,
         "requests_served": worker.requests_served,
@@ -67,6 +69,7 @@ def stats(relay: Relay) -> dict[str, Any]:
         "tokens": {
             "prompt": s.tokens_total("prompt"),
             "completion": s.tokens_total("completion"),
+            "estimated": sum(s.tokens_estimated.values()),
         },
         "requeues": s.requeues,
         "preemptions": s.preemptions,

@@ -85,6 +85,7 @@ class RelayRequest:
         "is_streaming",
         "key_id",
         "lease",
+        "light",
         "model",
         "outcome",
         "paused",
@@ -173,6 +174,8 @@ class RelayRequest:
         #: What a kind of worker that cannot take the raw body made of it, computed
         #: once on its first look (see :attr:`Worker.refuses`); ``None`` until then.
         self.translation: object = None
+        #: It generates nothing (token counting): it runs beside the generation slots.
+        self.light = False
         self.worker_id: str | None = None
         self.worker_name: str | None = None
         #: Cluster mode: the capacity reservation this request holds (released when
@@ -247,6 +250,7 @@ class RelayRequest:
             prompt_tokens=counts.prompt_tokens if counts else None,
             completion_tokens=counts.completion_tokens if counts else None,
             cached_tokens=counts.cached_tokens if counts else None,
+            tokens_estimated=bool(counts and counts.estimated),
             requeues=self.requeues,
             created_at=self.created_wall,
             cancel_reason=cancel_reason,
@@ -296,8 +300,14 @@ class Worker:
     #: :class:`~relay.core.config.ProviderPolicy`); None: not tracked.
     eviction: int | None = None
     draining: bool = False
+    #: Why the worker withdrew its models: its backend cannot be reached (it said so in
+    #: ``register`` or ``models_update``); None while its backend answers.
+    backend_error: str | None = None
     requests_served: int = 0
     in_flight: dict[str, RelayRequest] = field(default_factory=dict)
+    #: How many of ``in_flight`` generate nothing (:attr:`RelayRequest.light`): they
+    #: take no generation slot (see :meth:`take`).
+    light: int = 0
     attached: bool = True
     model_set: frozenset[str] = frozenset()
     #: Cluster mode: a stand-in for a worker connected to another server process
@@ -317,8 +327,16 @@ class Worker:
 
         A completion or cancel frees its slot at once (``in_flight`` shrinks); a pong
         can add load the server does not know about but never hold a freed slot.
+        Requests that generate nothing take no slot.
         """
-        return len(self.in_flight) + self.extra_load
+        return len(self.in_flight) - self.light + self.extra_load
+
+    def take(self, request_id: str) -> RelayRequest | None:
+        """Remove a request from ``in_flight`` (finished, failed, cancelled, lost)."""
+        request = self.in_flight.pop(request_id, None)
+        if request is not None and request.light:
+            self.light -= 1
+        return request
 
     def report_load(self, current_load: int) -> None:
         """Take the worker's own count of running requests (pong, register, models_update).

@@ -43,6 +43,8 @@ class RequestRecord:
     preemptions: int = 0
     #: Prompt tokens the backend said it reused from its cache (SPEC §14).
     cached_tokens: int | None = None
+    #: The tokens are the worker's estimate: the backend reported no usage.
+    tokens_estimated: bool = False
 
     @classmethod
     def rejected(
@@ -103,6 +105,8 @@ class RelayStats:
         self.by_outcome: Counter[str] = Counter()
         self.by_endpoint_model_outcome: Counter[tuple[str, str, str]] = Counter()
         self.tokens: Counter[tuple[str, str]] = Counter()
+        #: The part of ``tokens`` that workers estimated (no usage reported).
+        self.tokens_estimated: Counter[tuple[str, str]] = Counter()
         #: Cancels sent to workers, by reason (queued requests that end never reach one).
         self.cancels: Counter[str] = Counter()
         self.requeues = 0
@@ -140,6 +144,9 @@ class RelayStats:
             self.tokens[(model, "prompt")] += record.prompt_tokens
         if record.completion_tokens:
             self.tokens[(model, "completion")] += record.completion_tokens
+        if record.tokens_estimated:
+            self.tokens_estimated[(model, "prompt")] += record.prompt_tokens or 0
+            self.tokens_estimated[(model, "completion")] += record.completion_tokens or 0
 
     @property
     def total(self) -> int:

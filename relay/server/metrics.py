@@ -62,6 +62,15 @@ class RelayCollector(Collector):
         for (model, kind), count in stats.tokens.items():
             tokens.add_metric([model, kind], count)
         yield tokens
+        estimated = CounterMetricFamily(
+            "modelrelay_tokens_estimated",
+            "The part of modelrelay_tokens that workers counted themselves because the "
+            "backend reported no usage.",
+            labels=["model", "kind"],
+        )
+        for (model, kind), count in stats.tokens_estimated.items():
+            estimated.add_metric([model, kind], count)
+        yield estimated
         cancels = CounterMetricFamily(
             "modelrelay_cancels", "Cancels sent to workers, by reason.", labels=["reason"]
         )
@@ -138,6 +147,17 @@ class RelayCollector(Collector):
         ):
             serving.add_metric([provider, model], count)
         yield serving
+        backend_up = GaugeMetricFamily(
+            "modelrelay_worker_backend_up",
+            "1 while a connected worker's backend answers, 0 while the worker reports it "
+            "unreachable (its models are withdrawn meanwhile).",
+            labels=["provider", "worker", "worker_id"],
+        )
+        for worker in sorted(relay.registry.workers.values(), key=lambda w: w.id):
+            backend_up.add_metric(
+                [worker.provider, worker.name, worker.id], 0 if worker.backend_error else 1
+            )
+        yield backend_up
         info = GaugeMetricFamily(
             "modelrelay_process",
             "This server process (its series are its own; in cluster mode scrape each one).",

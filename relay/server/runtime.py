@@ -85,6 +85,7 @@ def relay_config() -> RelayConfig:
             cluster_ttl=s.AFFINITY_TTL_SECS,
             session_header=s.AFFINITY_SESSION_HEADER,
         ),
+        non_generating_per_worker=s.NON_GENERATING_PER_WORKER,
     )
 
 

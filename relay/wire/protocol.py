@@ -21,6 +21,13 @@ supports in ``register.features`` and the server only sends it what it announced
   the latest per worker for ``GET /metrics/workers``. A sample over the server's
   bounds (bytes, series) is dropped and answered with ``metrics_rejected``; the
   connection is unaffected.
+- ``"backend_health"``: the worker refuses a request its backend never received
+  (connection refused, reset before a byte of answer) with ``error{code:
+  "backend_unreachable"}``, and the server puts the request back in the queue
+  (SPEC §6 requeue rules). Without it the worker answers such a request with a 502.
+  Independently of any feature, ``register`` and ``models_update`` may carry
+  ``backend_error``: the worker withdrew its models because its backend cannot be
+  reached (servers show it to operators; older ones ignore the field).
 """
 
 from __future__ import annotations
@@ -61,8 +68,9 @@ BASE_CANCEL_REASONS = frozenset(
 )
 FLOW_CONTROL = "flow_control"
 METRICS = "metrics"
+BACKEND_HEALTH = "backend_health"
 #: Features this implementation's worker and server both speak.
-FEATURES = (FLOW_CONTROL, METRICS)
+FEATURES = (FLOW_CONTROL, METRICS, BACKEND_HEALTH)
 
 #: Bounds on numbers from a peer: far above any real value, far below what could
 #: overflow a float or a metric (a worker once reported a load of 10**300).
@@ -90,6 +98,9 @@ class TokenCounts(msgspec.Struct, omit_defaults=True):
     total_tokens: TokenCount | None = None
     #: Prompt tokens the backend reused from its cache (optional; SPEC §14).
     cached_tokens: TokenCount | None = None
+    #: True when the backend reported no usage and the worker counted the stream
+    #: itself (an estimate, labelled as such wherever the figure is shown).
+    estimated: bool = False
 
 
 # --- server -> worker --------------------------------------------------------
@@ -182,6 +193,8 @@ class Register(msgspec.Struct, tag="register", tag_field="type"):
     current_load: U32 = 0
     #: Optional extensions this worker supports (see the module docstring).
     features: Annotated[list[ShortText], msgspec.Meta(max_length=64)] = []
+    #: Why the worker advertises no models: its backend cannot be reached.
+    backend_error: ShortText | None = None
 
     def __post_init__(self) -> None:
         self.max_concurrent = min(self.max_concurrent, MAX_COUNT)
@@ -191,6 +204,8 @@ class Register(msgspec.Struct, tag="register", tag_field="type"):
 class ModelsUpdate(msgspec.Struct, tag="models_update", tag_field="type"):
     models: list[str]
     current_load: U32 | None = None
+    #: Set while the backend cannot be reached (``models`` is then empty): why.
+    backend_error: ShortText | None = None
 
     def __post_init__(self) -> None:
         if self.current_load is not None:
@@ -247,6 +262,9 @@ class MetricsSample(msgspec.Struct, tag="metrics_sample", tag_field="type"):
 #: ``error.code`` with which a worker that is shutting down refuses a request it was
 #: sent before the server knew: the server puts the request back in the queue.
 WORKER_DRAINING = "worker_draining"
+#: ``error.code`` (``backend_health``) for a request the worker's backend never
+#: received: the server requeues it under the rules of SPEC §6.
+BACKEND_UNREACHABLE = "backend_unreachable"
 
 
 WorkerMessage = (

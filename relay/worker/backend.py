@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import codecs
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 import httpx
@@ -27,11 +27,16 @@ from relay.wire.protocol import Request, ResponseComplete
 from relay.wire.sse import error_event
 from relay.worker import network
 from relay.worker.config import Config
-from relay.worker.connection import BackendConnection, BodyTooLarge
+from relay.worker.connection import BackendConnection, BodyTooLarge, NoAnswer
 from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
 from relay.worker.pool import ConnectionPool
-from relay.worker.usage import UsageScanner
+from relay.worker.usage import (
+    USAGE_ON_REQUEST,
+    UsageScanner,
+    UsageStripper,
+    ask_for_usage,
+)
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
 log = logging.getLogger("modelrelay.worker")
@@ -43,7 +48,36 @@ _HOP_BY_HOP_REQUEST = frozenset(
 
 
 class BackendNotReady(Exception):
-    """The backend did not answer a discovery request usefully (yet)."""
+    """The backend did not answer a discovery request usefully (yet).
+
+    ``unreachable``: nothing answered at all (connection refused, connect timeout),
+    as opposed to an answer the worker cannot use (HTTP 503 while a model loads).
+    """
+
+    def __init__(self, problem: str, *, unreachable: bool = False) -> None:
+        super().__init__(problem)
+        self.unreachable = unreachable
+
+
+class BackendUnreached(Exception):
+    """The backend never received a request, or never answered one byte of it.
+
+    Raised by :meth:`Backend.exchange` before anything was relayed, so the request
+    may run elsewhere (SPEC §6). ``refused``: no connection could be opened at all
+    (the backend is down, not just this connection); ``problem`` names the error.
+    """
+
+    def __init__(self, problem: str, *, refused: bool) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.refused = refused
+
+
+#: Failures opening a connection: nothing was sent, nothing listens.
+_REFUSED = (httpx.ConnectError, httpx.ConnectTimeout)
+#: Failures before one byte of response on an open connection (reset, closed
+#: unanswered). Timeouts are not among them: a slow backend may be working on it.
+_UNANSWERED = (NoAnswer,)
 
 
 #: Seconds a request body may take to reach the backend's socket buffers.
@@ -105,10 +139,10 @@ class _Forwarder:
 
     __slots__ = ("_decode", "_post", "_prefix", "_scan", "sent")
 
-    def __init__(self, request_id: str, scanner: UsageScanner, outbox: Outbox) -> None:
+    def __init__(self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox) -> None:
         self._prefix = chunk_prefix(request_id)
         self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
-        self._scan = scanner.feed
+        self._scan = scan
         self._post = outbox.post
         self.sent = False
 
@@ -119,10 +153,35 @@ class _Forwarder:
             self.sent = True
             self._post(chunk_frame(self._prefix, text))
 
+    def _emit(self, data: bytes) -> None:
+        text = self._decode(data)
+        if text:
+            self.sent = True
+            self._post(chunk_frame(self._prefix, text))
+
     def finish(self) -> None:
         text = self._decode(b"", True)
         if text:
             self._post(chunk_frame(self._prefix, text))
+
+
+class _StrippingForwarder(_Forwarder):
+    """A :class:`_Forwarder` for a stream whose usage the worker asked for: the usage
+    event the client did not ask for is read, then left out (:class:`UsageStripper`)."""
+
+    __slots__ = ("_stripper",)
+
+    def __init__(self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox) -> None:
+        super().__init__(request_id, scan, outbox)
+        self._stripper = UsageStripper(self._emit)
+
+    def feed(self, data: bytes) -> None:
+        self._scan(data)
+        self._stripper.feed(data)  # which calls _emit with what may go out now
+
+    def finish(self) -> None:
+        self._stripper.finish()
+        super().finish()
 
 
 def flavor_of(endpoint_path: str) -> Flavor:
@@ -209,6 +268,7 @@ class Backend:
     async def discover_models(self) -> list[str]:
         """Models from ``GET /v1/models``, else Ollama's ``GET /api/tags``."""
         problems = []
+        refused = 0
         sources = (("/v1/models", "data", "id"), ("/api/tags", "models", "name"))
         for path, list_key, name_key in sources:
             try:
@@ -217,6 +277,7 @@ class Backend:
                 )
             except httpx.HTTPError as exc:
                 problems.append(f"GET {path}: {describe(exc)}")
+                refused += isinstance(exc, _REFUSED)
                 continue
             if not resp.is_success:
                 problems.append(f"GET {path}: HTTP {resp.status_code}")
@@ -228,7 +289,28 @@ class Backend:
                 problems.append(f"GET {path}: not a model list")
                 continue
             return list(dict.fromkeys(n for n in names if n))
-        raise BackendNotReady("; ".join(problems))
+        raise BackendNotReady("; ".join(problems), unreachable=refused == len(sources))
+
+    async def probe(self) -> list[str] | None:
+        """Whether the backend answers again (called while it is marked unreachable).
+
+        With discovered models: its model list (:meth:`discover_models`). With
+        ``--models``: None once ``GET /v1/models`` gets any answer below 500 (a backend
+        without that route answers 404, and is up). Raises :class:`BackendNotReady`.
+        """
+        if self.config.models is None:
+            return await self.discover_models()
+        try:
+            resp = await self.http.get(
+                self.config.backend_url + "/v1/models", timeout=self.config.discovery_timeout
+            )
+        except httpx.HTTPError as exc:
+            raise BackendNotReady(
+                f"GET /v1/models: {describe(exc)}", unreachable=isinstance(exc, _REFUSED)
+            ) from None
+        if resp.status_code >= 500:  # llama-server answers 503 while loading a model
+            raise BackendNotReady(f"GET /v1/models: HTTP {resp.status_code}")
+        return None
 
     async def probe_slots(self) -> int:
         """llama-server's ``total_slots`` from ``GET /props``; 1 for backends without it."""
@@ -261,30 +343,48 @@ class Backend:
         A streamed body is read only while ``valve`` is open, and forwarded as it is
         read: each read's bytes go out as one ``response_chunk`` from the connection's
         read callback. A failing backend ends in a 502 (after an error event when part
-        of the stream was already sent); the relay connection closing
-        (``ConnectionClosed`` from ``outbox``) and cancellation propagate, and both
-        close the backend connection.
+        of the stream was already sent), except that a request the backend never
+        received or never answered raises :class:`BackendUnreached`; the relay
+        connection closing (``ConnectionClosed`` from ``outbox``) and cancellation
+        propagate, and both close the backend connection.
         """
         rid = request.request_id
         scanner = UsageScanner()
         forwarder: _Forwarder | None = None
         conn: BackendConnection | None = None
         try:
-            body = request.body.encode()
+            # Every response is charged (relay/worker/usage.py): a chat/completions
+            # stream is asked for its usage when its client did not ask.
+            asked = (
+                ask_for_usage(request.endpoint_path, request.body)
+                if (request.is_streaming and request.endpoint_path in USAGE_ON_REQUEST)
+                else None
+            )
+            body = (request.body if asked is None else asked).encode()
             head = request_head(
                 self.origin, request.endpoint_path, _backend_headers(request.headers), len(body)
             )
-            conn, resp = await self.pool.exchange(
-                head,
-                body,
-                write_timeout=WRITE_TIMEOUT_SECS,
-                read_timeout=self.config.backend_read_timeout,
-            )
+            try:
+                conn, resp = await self.pool.exchange(
+                    head,
+                    body,
+                    write_timeout=WRITE_TIMEOUT_SECS,
+                    read_timeout=self.config.backend_read_timeout,
+                )
+            except _REFUSED + _UNANSWERED as exc:
+                # No response head: nothing of this request reached the relay.
+                log.warning("backend did not take request %s: %s", rid, describe(exc))
+                raise BackendUnreached(describe(exc), refused=isinstance(exc, _REFUSED)) from None
             headers = _response_headers(resp.headers)
             content_type = resp.get("content-type")
             is_json = "json" in content_type.lower()
             if request.is_streaming and 200 <= resp.status < 300 and not is_json:
-                forwarder = _Forwarder(rid, scanner, outbox)
+                if request.endpoint_path in USAGE_ON_REQUEST:
+                    scanner.estimate(len(request.body))
+                    kind = _Forwarder if asked is None else _StrippingForwarder
+                    forwarder = kind(rid, scanner.count, outbox)
+                else:
+                    forwarder = _Forwarder(rid, scanner.feed, outbox)
                 outbox.watch(conn)
                 if valve is not None:
                     valve.attach(conn)
@@ -309,7 +409,7 @@ class Backend:
                 body=data.decode("utf-8", "replace"),
                 token_counts=scanner.counts(),
             )
-        except ConnectionClosed:
+        except (ConnectionClosed, BackendUnreached):
             raise
         except httpx.HTTPError as exc:
             problem = describe(exc)

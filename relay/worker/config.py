@@ -48,6 +48,8 @@ class Config:
     backend_metrics_url: str | None
     backend_metrics_secs: float
     backend_metrics_timeout: float
+    backend_probe_min_secs: float
+    backend_probe_max_secs: float
 
     @property
     def connect_url(self) -> str:
@@ -143,6 +145,8 @@ OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
     ("--backend-read-timeout", "BACKEND_READ_TIMEOUT_SECS", "600", _seconds, None),
     ("--backend-keepalive-secs", "BACKEND_KEEPALIVE_SECS", "4", _seconds, None),
     ("--discovery-timeout", "WORKER_DISCOVERY_TIMEOUT_SECS", "5", _seconds, None),
+    ("--backend-probe-min-secs", "BACKEND_PROBE_MIN_SECS", "0.5", _seconds, None),
+    ("--backend-probe-max-secs", "BACKEND_PROBE_MAX_SECS", "10", _seconds, None),
 ]  # fmt: skip
 
 

@@ -49,6 +49,19 @@ class BodyTooLarge(Exception):
     """A collected (non-streamed) body passed its limit; the connection was closed."""
 
 
+class NoAnswer(Exception):
+    """Marks a failure that came before one byte of the response: the backend closed
+    or reset the connection without answering (it may never have read the request)."""
+
+
+class ClosedUnanswered(httpx.RemoteProtocolError, NoAnswer):
+    """The backend closed the connection without sending one byte of a response."""
+
+
+class ResetUnanswered(httpx.ReadError, NoAnswer):
+    """The connection was reset (or failed) before one byte of a response came."""
+
+
 class BackendConnection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection; one exchange at a time.
 
@@ -108,9 +121,11 @@ class BackendConnection(asyncio.Protocol):
             self._end_body()  # the close is the end of a close-delimited body
             return
         if exc is not None:
-            self._fail(httpx.ReadError(str(exc) or type(exc).__name__))
+            failure = httpx.ReadError if self.answered else ResetUnanswered
+            self._fail(failure(str(exc) or type(exc).__name__))
         elif reader.head is None:
-            self._fail(httpx.RemoteProtocolError("Server disconnected without sending a response."))
+            closed = httpx.RemoteProtocolError if self.answered else ClosedUnanswered
+            self._fail(closed("Server disconnected without sending a response."))
         else:
             framing = reader.head.framing
             what = "incomplete chunked read" if framing == CHUNKED else "received less "

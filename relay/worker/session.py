@@ -21,6 +21,8 @@ from websockets.exceptions import ConnectionClosed
 from relay.wire import logrecord
 from relay.wire.errors import ProtocolError
 from relay.wire.protocol import (
+    BACKEND_HEALTH,
+    BACKEND_UNREACHABLE,
     FEATURES,
     FLOW_CONTROL,
     METRICS,
@@ -43,7 +45,7 @@ from relay.wire.protocol import (
     decode_server_message,
 )
 from relay.worker import sampler
-from relay.worker.backend import Backend, Valve
+from relay.worker.backend import Backend, BackendUnreached, Valve
 from relay.worker.config import Config
 from relay.worker.outbox import Outbox, encode
 from relay.worker.tracing import WorkerTracing
@@ -83,6 +85,8 @@ class Owner(Protocol):
 
     #: Set once the worker stops taking work; a relay ``graceful_shutdown`` sets it too.
     draining: bool
+    #: Why the backend cannot be reached (models withdrawn meanwhile); None: it answers.
+    backend_error: str | None
 
     @property
     def config(self) -> Config: ...
@@ -104,6 +108,10 @@ class Owner(Protocol):
 
     async def refresh_models(self, session: Session, *, always: bool) -> None:
         """Re-read the backend's models and send ``models_update`` through ``session``."""
+        ...
+
+    def backend_unreachable(self, problem: str) -> None:
+        """The backend refused a connection: withdraw the models until it answers."""
         ...
 
 
@@ -166,6 +174,7 @@ class Session:
                     protocol_version=PROTOCOL_VERSION,
                     current_load=0,
                     features=self.features(),
+                    backend_error=worker.backend_error,
                 )
             )
             loop = asyncio.get_running_loop()
@@ -394,6 +403,8 @@ class Session:
                 time.monotonic() - started,
                 format_counts(complete.token_counts),
             )
+        except BackendUnreached as exc:
+            await self._hand_back(request, exc)
         except asyncio.CancelledError:
             log.debug("request %s aborted; backend connection closed", request.request_id)
             raise
@@ -402,3 +413,23 @@ class Session:
         finally:
             if span is not None and tracing is not None:
                 tracing.end(span, complete)
+
+    async def _hand_back(self, request: Request, exc: BackendUnreached) -> None:
+        """The backend never took ``request``: give it back for the relay to requeue.
+
+        A refused connection also withdraws this worker's models first (posted before
+        the hand-back, so the relay does not send the request here again). A relay
+        that did not accept ``backend_health`` gets the 502 it always got.
+        """
+        if exc.refused:
+            self.worker.backend_unreachable(exc.problem)
+        if BACKEND_HEALTH not in self.accepted:
+            await self.outbox.send(encode(self.worker.backend.failure(request, exc.problem)))
+            return
+        log.info("handing request %s back to the relay to requeue", request.request_id)
+        error = Error(
+            request_id=request.request_id,
+            code=BACKEND_UNREACHABLE,
+            message=f"the backend did not take the request: {exc.problem}"[:1000],
+        )
+        await self.send(error)

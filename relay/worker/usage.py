@@ -2,17 +2,32 @@
 
 Used by ``worker.py`` (through :mod:`relay.worker.session` and :mod:`relay.worker.backend`) to
 fill ``ResponseComplete.token_counts``; imports nothing from Django.
+
+Every response is charged: OpenAI chat and legacy completions streams carry usage only
+when the client asks (``stream_options.include_usage``), so when it did not, the worker
+asks for it (:func:`ask_for_usage`) and takes the extra usage event out of the stream
+(:class:`UsageStripper`): the client receives exactly the bytes it would have received
+without it. A stream that still reports no usage is counted by the worker itself and
+the figure is marked ``estimated``.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 
 import msgspec
 
 from relay.wire.protocol import TokenCounts
 
 _USAGE = re.compile(rb'"(?:usage|timings)"\s*:\s*\{')
+#: Endpoints whose streams report usage only when asked (OpenAI's convention).
+USAGE_ON_REQUEST = frozenset({"/v1/chat/completions", "/v1/completions"})
+#: Request body bytes per prompt token, for an estimate when no usage came back.
+BYTES_PER_TOKEN = 4
+_INCLUDE_USAGE = '"stream_options":{"include_usage":true},'
+_MISSING = object()
 #: An unfinished line is kept across reads up to this size, then dropped.
 _MAX_PARTIAL_LINE = 1024 * 1024
 
@@ -54,7 +69,15 @@ class UsageScanner:
     JSON-decoded, and the fed bytes are never modified.
     """
 
-    __slots__ = ("_partial", "cached", "completion", "prompt", "total")
+    __slots__ = (
+        "_partial",
+        "cached",
+        "completion",
+        "estimate_prompt",
+        "events",
+        "prompt",
+        "total",
+    )
 
     def __init__(self) -> None:
         self.prompt: int | None = None
@@ -63,6 +86,19 @@ class UsageScanner:
         #: Prompt tokens the backend reused from its cache (SPEC §14).
         self.cached: int | None = None
         self._partial = b""
+        #: Set by :meth:`estimate`: the stream's ``data:`` events are counted, to stand
+        #: in for usage the backend does not report.
+        self.estimate_prompt: int | None = None
+        self.events = 0
+
+    def estimate(self, body_bytes: int) -> None:
+        """Count this stream, for an estimate should the backend report no usage."""
+        self.estimate_prompt = math.ceil(body_bytes / BYTES_PER_TOKEN)
+
+    def count(self, data: bytes) -> None:
+        """Feed, counting events (for streams given :meth:`estimate`)."""
+        self.events += data.count(b"data:")
+        self.feed(data)
 
     def feed(self, data: bytes) -> None:
         if self._partial:
@@ -129,13 +165,21 @@ class UsageScanner:
             self.total = total
 
     def counts(self) -> TokenCounts | None:
-        if (
-            self.prompt is None
-            and self.completion is None
-            and self.total is None
-            and self.cached is None
-        ):
-            return None
+        if self.prompt is None and self.completion is None and self.total is None:
+            if self.estimate_prompt is not None and self.events:
+                # About one token per event (how llama-server, vLLM and OpenAI stream),
+                # less the closing ``data: [DONE]``; the prompt from the request's size.
+                completion = max(0, self.events - 1)
+                prompt = self.estimate_prompt
+                return TokenCounts(
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    total_tokens=prompt + completion,
+                    cached_tokens=self.cached,
+                    estimated=True,
+                )
+            if self.cached is None:
+                return None
         total = self.total
         if total is None and self.prompt is not None and self.completion is not None:
             total = self.prompt + self.completion
@@ -147,11 +191,124 @@ class UsageScanner:
         )
 
 
+def ask_for_usage(endpoint_path: str, body: str) -> str | None:
+    """The body to send instead of ``body`` so that the stream reports its usage, or
+    None when it will anyway (or is no chat/completions stream): the client did not
+    set ``stream_options.include_usage``, so the worker sets it.
+
+    Without ``stream_options`` the option is added in front of the client's fields and
+    every byte of theirs is kept; otherwise the body is re-encoded with it set.
+    """
+    if endpoint_path not in USAGE_ON_REQUEST:
+        return None
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    if not isinstance(doc, dict) or doc.get("stream") is not True:
+        return None
+    options = doc.get("stream_options", _MISSING)
+    if options is _MISSING:
+        start = body.index("{") + 1  # it decoded as an object with at least "stream"
+        return body[:start] + _INCLUDE_USAGE + body[start:]
+    if options is None:
+        options = {}
+    if not isinstance(options, dict) or options.get("include_usage") is True:
+        return None
+    doc["stream_options"] = {**options, "include_usage": True}
+    return msgspec.json.encode(doc).decode()
+
+
+_EVENT_END = re.compile(rb"(\r?\n\r?\n)")
+_USAGE_ONLY = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+#: ``"usage":null`` as OpenAI and vLLM add it to every chunk once usage is asked for
+#: (at the end of a block, the rest of its event has not arrived yet).
+_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}]|\Z)|"usage"\s*:\s*null\s*,')
+_NULL_TAIL = b',"usage":null'
+#: An event that carries choices: never the usage event, so it may leave unfinished.
+_CONTENT = re.compile(rb'"choices"\s*:\s*\[\s*\{')
+#: An event still unfinished after this many bytes is passed on as it is.
+_MAX_HELD = 64 * 1024
+
+
+def _strip(block: bytes) -> bytes:
+    """``block`` (whole events) without the usage-only events and ``"usage":null``s."""
+    parts = _EVENT_END.split(block)
+    out = []
+    for i in range(0, len(parts), 2):
+        event = parts[i]
+        end = parts[i + 1] if i + 1 < len(parts) else b""
+        if b'"usage"' in event:
+            if _USAGE.search(event) is not None and _USAGE_ONLY.search(event) is not None:
+                continue  # the event the worker asked for: the client did not
+            event = _NULL_USAGE.sub(b"", event)
+        out.append(event + end)
+    return b"".join(out)
+
+
+def _undecided(tail: bytes) -> int:
+    """How many bytes at the end of an unfinished event must wait for more.
+
+    All of it while it may still be the usage event (its ``choices`` not seen yet);
+    of an event with choices, only what may be the start of ``,"usage":null``.
+    """
+    if len(tail) > _MAX_HELD:
+        return 0
+    if _CONTENT.search(tail) is None or _USAGE.search(tail) is not None:
+        return len(tail)
+    for size in range(min(len(_NULL_TAIL) - 1, len(tail)), 0, -1):
+        if tail.endswith(_NULL_TAIL[:size]):
+            return size
+    return 0
+
+
+class UsageStripper:
+    """Passes a stream on without what asking for its usage added.
+
+    Fed each read of an SSE body; hands ``sink`` what it can at once: every complete
+    event, and of an unfinished one whatever cannot belong to the usage event (only
+    the start of an event not yet known to carry choices waits for more). Reads of
+    whole events without ``"usage"`` in them cost two searches and pass unchanged.
+    """
+
+    __slots__ = ("_held", "_sink")
+
+    def __init__(self, sink: Callable[[bytes], None]) -> None:
+        self._sink = sink
+        self._held = b""
+
+    def feed(self, data: bytes) -> None:
+        if self._held:
+            data = self._held + data
+            self._held = b""
+        elif data.endswith(b"\n\n") and b'"usage"' not in data:
+            self._sink(data)  # whole events, nothing to take out: the usual read
+            return
+        lf = data.rfind(b"\n\n")
+        crlf = data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if end < len(data):
+            wait = _undecided(data[end:])
+            if wait:
+                data, self._held = data[:-wait], data[-wait:]
+        if b'"usage"' in data:
+            data = _strip(data)
+        if data:
+            self._sink(data)
+
+    def finish(self) -> None:
+        held, self._held = self._held, b""
+        if b'"usage"' in held:
+            held = _strip(held)
+        if held:
+            self._sink(held)
+
+
 def format_counts(counts: TokenCounts | None) -> str:
     """``prompt=… completion=… total=…`` for the worker's per-request debug line."""
     if counts is None:
         return "none reported"
     return (
         f"prompt={counts.prompt_tokens} completion={counts.completion_tokens} "
-        f"total={counts.total_tokens}"
+        f"total={counts.total_tokens}{' (estimated)' if counts.estimated else ''}"
     )

@@ -123,7 +123,10 @@
         : [el("span", { class: "muted", text: "no models" })]);
     const state = w.draining
       ? el("span", { class: "badge badge-warn", "data-state": "draining", text: "Draining" })
-      : el("span", { class: "badge badge-ok", "data-state": "ready", text: "Ready" });
+      : w.backend_error
+        ? el("span", { class: "badge badge-warn", "data-state": "backend-down",
+            title: w.backend_error, text: "Backend unreachable" })
+        : el("span", { class: "badge badge-ok", "data-state": "ready", text: "Ready" });
     const cells = [
       el("td", { "data-label": "" }, [el("div", {}, [el("div", { class: "strong", text: w.name }), el("div", { class: "muted mono small", text: w.id })])]),
       el("td", { "data-label": "Provider", text: w.provider }),
@@ -164,7 +167,7 @@
       // Rebuild a row only when what it shows changed (the connected-for time is updated
       // in place), so buttons are not swapped under the pointer every second.
       const signature = JSON.stringify([w.name, w.provider, w.models, w.load, w.max_concurrent,
-        w.draining, w.requests_served, pending.get(w.id) || ""]);
+        w.draining, w.backend_error, w.requests_served, pending.get(w.id) || ""]);
       if (row.dataset.signature !== signature) {
         row.replaceChildren(...workerCells(w, snap.at));
         row.dataset.signature = signature;

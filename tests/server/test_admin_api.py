@@ -194,7 +194,7 @@ async def test_stats_are_real_counters(admin):
     assert status == 200
     assert stats["requests"]["by_outcome"] == {"cancelled": 1, "model_not_found": 1, "ok": 1}
     assert stats["requests"]["total"] == 3
-    assert stats["tokens"] == {"prompt": 11, "completion": 22}
+    assert stats["tokens"] == {"prompt": 11, "completion": 22, "estimated": 0}
     assert stats["in_flight"] == 0 and stats["queue_depth"] == 0
 
 

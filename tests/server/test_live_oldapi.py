@@ -23,7 +23,7 @@ from tests.legacykit import (
     user,
 )
 from tests.live import LiveServer, live_server
-from tests.upstream import FakeUpstream, expected_text, unused_port
+from tests.upstream import FakeUpstream, expected_text
 
 pytestmark = pytest.mark.live
 
@@ -113,14 +113,23 @@ async def test_the_old_api_is_served_by_a_modern_worker(shared: LiveServer) -> N
         assert (sent["stream"], sent["max_tokens"]) == (True, 9)
         assert "authorization" not in seen.headers
 
-    # A backend that fails: the old error line.
+    # A backend that fails (a broken answer: a backend that never answers hands the
+    # request back to be requeued instead): the old error line.
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-len")
+        writer.close()
+
+    backend = await asyncio.start_server(broken, "127.0.0.1", 0)
+    port = backend.sockets[0].getsockname()[1]
     async with (
-        modern_worker(shared, f"http://127.0.0.1:{unused_port()}", "old-api-dead"),
+        modern_worker(shared, f"http://127.0.0.1:{port}", "old-api-dead"),
         httpx.AsyncClient(base_url=shared.url) as client,
     ):
         await serving(shared, "old-api-dead")
         status, lines = await old_chat(client, model="old-api-dead")
         assert (status, lines) == (200, [{"err": "timeout waiting for finish"}])
+    backend.close()
 
 
 async def test_the_old_api_with_keys_required_and_its_deadlines(

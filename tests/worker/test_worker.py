@@ -29,6 +29,7 @@ from websockets.http11 import Response as HandshakeResponse
 
 import worker
 from relay.wire.protocol import (
+    BACKEND_HEALTH,
     FLOW_CONTROL,
     WORKER_DRAINING,
     Cancel,
@@ -291,6 +292,11 @@ def config(relay_url: str, backend_url: str, *flags: str, **env: str) -> Config:
     return parse_config(argv, env)
 
 
+def config_for(backend_url: str, *flags: str) -> Callable[[str], Config]:
+    """:func:`config` once the relay's URL is known."""
+    return lambda relay_url: config(relay_url, backend_url, *flags)
+
+
 @contextlib.asynccontextmanager
 async def running(cfg: Config) -> AsyncIterator[asyncio.Task[int]]:
     """Run a worker in this event loop; always cancelled and awaited at the end."""
@@ -461,7 +467,7 @@ async def test_it_registers_with_its_name_models_capacity_and_secret(
             max_concurrent=3,
             protocol_version="1",
             current_load=0,
-            features=[FLOW_CONTROL],
+            features=[FLOW_CONTROL, BACKEND_HEALTH],
         )
         assert side.ws.request is not None
         assert side.ws.request.path == "/v1/worker/connect?provider=gpu-pool"
@@ -631,14 +637,15 @@ async def test_token_counts_are_read_from_every_api(
     assert (counts.prompt_tokens, counts.completion_tokens, counts.total_tokens) == (11, 3, 14)
 
 
-async def test_no_token_counts_when_the_backend_reports_no_usage(
+async def test_a_stream_that_declined_usage_is_still_charged_without_seeing_it(
     connected: tuple[RelaySide, FakeUpstream],
 ) -> None:
     side, _ = connected
     extra = {"stream_options": {"include_usage": False}}
     await side.request("r-n", CHAT, stream=True, extra=extra)
     complete = await side.complete("r-n")
-    assert complete.status_code == 200 and complete.token_counts is None
+    assert complete.status_code == 200 and complete.token_counts == TokenCounts(7, 5, 12)
+    assert '"usage"' not in "".join(side.chunks("r-n"))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -662,12 +669,15 @@ async def test_backend_error_statuses_pass_through_with_their_body(
         (MESSAGES, lambda d: d["type"] == "error" and d["error"]["type"] == "api_error"),
     ],
 )
-async def test_an_unreachable_backend_is_a_502_and_the_connection_stays_up(
-    relay: FakeRelay, caplog: pytest.LogCaptureFixture, path: str, envelope: Callable[[Any], Any]
+async def test_an_unreachable_backend_is_a_502_for_a_relay_without_backend_health(
+    caplog: pytest.LogCaptureFixture, path: str, envelope: Callable[[Any], Any]
 ) -> None:
+    # (Relays that accept backend_health get the request back to requeue it instead:
+    # tests/worker/test_backend_health.py.)
     caplog.set_level(logging.WARNING, logger="modelrelay.worker")
     backend = f"http://127.0.0.1:{unused_port()}"
-    async with running(config(relay.url, backend, "--models", "m", "--max-concurrent", "2")):
+    cfg = config_for(backend, "--models", "m", "--max-concurrent", "2")
+    async with FakeRelay(features=[FLOW_CONTROL]) as relay, running(cfg(relay.url)):
         side = await relay.registered()
         await side.request("r-1", path)
         await side.request("r-2", path, stream=True)
@@ -677,7 +687,7 @@ async def test_an_unreachable_backend_is_a_502_and_the_connection_stays_up(
             assert complete.body is not None and envelope(json.loads(complete.body))
         assert (await side.ping(7)).current_load == 0
         assert len(relay.sides) == 1 and not side.closed.is_set()
-    assert "backend error on request r-1" in caplog.text
+    assert "backend did not take request r-1" in caplog.text
 
 
 @pytest.mark.parametrize(("path", "marker"), [(CHAT, 'data: {"error"'), (MESSAGES, "event: error")])
@@ -783,7 +793,7 @@ async def test_pause_stops_reading_that_backend_response_until_resume(
     up = flow_upstream
     async with running(config(relay.url, up.url)):
         side = await relay.registered()
-        assert side.register is not None and side.register.features == [FLOW_CONTROL]
+        assert side.register is not None and FLOW_CONTROL in side.register.features
         body, seen, at_pause = await paused_mid_flood(side, up, "r-p")
         held = seen.bytes_written
         assert relayed(side, "r-p") - at_pause <= READ_AHEAD

@@ -264,7 +264,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             case Pong():
                 relay.on_pong(worker, msg.current_load)
             case ModelsUpdate():
-                for warning in relay.on_models_update(worker, msg.models, msg.current_load):
+                updated = relay.on_models_update(
+                    worker, msg.models, msg.current_load, msg.backend_error
+                )
+                for warning in updated:
                     logger.warning("worker %s models_update: %s", worker.name, warning)
             case Error():
                 relay.on_worker_error(worker, msg)
@@ -306,6 +309,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             features=msg.features,
         )
         worker.eviction = self._eviction
+        worker.backend_error = msg.backend_error
         if rt.placement is not None:
             # Known to every process before it is acked: no process may then answer
             # 404 for its models (SPEC §11). Frames wait meanwhile (one at a time).
