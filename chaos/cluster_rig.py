@@ -39,7 +39,7 @@ from chaos.rig import (
     WORKER_SECRET,
     ChaosError,
     Incident,
-    incidents,
+    logged_incidents,
     project_python,
     server_env,
     until,
@@ -329,14 +329,7 @@ class ClusterRig:
             return found
 
     def log_incidents(self) -> list[Incident]:
-        found = []
-        for proc in self.logs:
-            try:
-                lines = proc.log.read_text(errors="replace").splitlines()
-            except OSError:
-                continue
-            found.extend(incidents(proc.name, lines))
-        return found
+        return logged_incidents(self.logs)
 
 
 async def pause(seconds: float) -> None:

@@ -311,14 +311,7 @@ class Rig:
 
     def log_incidents(self) -> list[Incident]:
         """Unhandled errors in every server and worker log of this scenario."""
-        found = []
-        for proc in self.logs:
-            try:
-                lines = proc.log.read_text(errors="replace").splitlines()
-            except OSError:
-                continue
-            found.extend(incidents(proc.name, lines))
-        return found
+        return logged_incidents(self.logs)
 
 
 @dataclass
@@ -328,6 +321,18 @@ class Incident:
     #: blanked: ``relay.http: unexpected error serving POST /v1/x / RuntimeError: …``.
     signature: str
     excerpt: str
+
+
+def logged_incidents(procs: list[Proc]) -> list[Incident]:
+    """Unhandled errors in the logs of ``procs``."""
+    found = []
+    for proc in procs:
+        try:
+            lines = proc.log.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found.extend(incidents(proc.name, lines))
+    return found
 
 
 def incidents(process: str, lines: list[str]) -> list[Incident]:
