@@ -225,7 +225,8 @@ async def test_too_many_queued_lines_for_one_key_fail_the_batch(worker, settings
     settings.BATCH_MAX_QUEUED_LINES_PER_KEY = 3
     worker.reply = lambda request: None  # hold every line: they stay queued
     first = await submit([line("a"), line("b")])
-    await wait_batch(first["id"], lambda b: b["status"] == "in_progress")
+    started = await wait_batch(first["id"], lambda b: b["status"] != "validating")
+    assert started["status"] == "in_progress", started
     second = await submit([line("c"), line("d")])
     failed = await wait_batch(second["id"], ended)
     assert failed["status"] == "failed"

@@ -617,3 +617,54 @@ def test_a_process_stopped_while_it_joins_the_cluster_exits_by_itself(relay_serv
             assert server.process is not None
             server.signal(signal.SIGTERM)
             assert server.process.wait(timeout=10) == 0, server.log()
+
+
+async def test_a_reservation_whose_request_never_came_is_dropped_within_a_ttl(tmp_path):
+    """A slot reserved on our worker for a request that never arrives (its process lost
+    the reply, or died right after placing it) is given back once its process has
+    announced the worker without it for one TTL, not held until its far expiry; the
+    reservations of requests the process does hold stay."""
+    from relay.server.cluster.convergence import now_ms
+    from relay.server.cluster.placement import RedisPlacement
+    from tests.corekit import FAST as CORE
+    from tests.corekit import attach, make_relay
+
+    with private_redis(tmp_path / "redis") as (url, _):
+        relay = make_relay(dataclasses.replace(CORE, heartbeat_interval=60, heartbeat_timeout=120))
+        prefix = "mrtest-ghost"
+        placement = RedisPlacement(relay, url, prefix, "cluster-token", tick=0.1, ttl=1)
+        relay.placement = placement
+        worker, _ = attach(relay, ["m"], max_concurrent=2)
+        redis = aioredis.from_url(url)
+        loop = asyncio.ensure_future(placement.run())
+        try:
+            placement.listening("http://127.0.0.1:9")
+            await until(lambda: _state(placement, "ok"), RECOVERY_SECS, "the process to join")
+            held = relay.submit(
+                model="m",
+                endpoint_path=CHAT,
+                flavor="openai",
+                is_streaming=False,
+                body='{"model":"m"}',
+                headers={},
+            )
+            await until(lambda: _running(held), RECOVERY_SECS, "the request to be sent")
+            leases = f"{prefix}:l:{worker.id}"
+            ghost = "gone|r-never-came"
+            await redis.zadd(leases, {ghost: now_ms() + 600_000})
+            started = now_ms()
+
+            async def dropped() -> bool:
+                return await redis.zscore(leases, ghost) is None
+
+            await until(dropped, RECOVERY_SECS, "the reservation nobody holds to be dropped")
+            assert now_ms() - started >= 1000  # kept for one TTL: it may have been in transit
+            assert await redis.zscore(leases, held.lease) is not None
+        finally:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+            await redis.aclose()
+
+
+async def _running(request: Any) -> bool:
+    return bool(request.worker_id is not None and request.lease)

@@ -381,8 +381,10 @@ for _ = 1, count do
   local lkey = P .. ':l:' .. wid
   local held = tonumber(ARGV[i])
   i = i + 1
+  local announced = {}
   for _ = 1, held do
     redis.call('ZADD', lkey, tonumber(ARGV[i + 1]), ARGV[i])
+    announced[ARGV[i]] = true
     i = i + 2
   end
   local released = tonumber(ARGV[i])
@@ -392,6 +394,29 @@ for _ = 1, count do
     i = i + 1
   end
   redis.call('ZREMRANGEBYSCORE', lkey, '-inf', now)
+  -- A reservation the worker's process does not hold is one on its way here (placed by
+  -- another process a moment ago) or one whose request never came (its process lost
+  -- the reply, or died): kept for one TTL from when the owner first announced the
+  -- worker without it, then dropped. (A request arriving later still finds the worker's
+  -- real capacity checked where it is served.)
+  local akey = P .. ':la:' .. wid
+  local since = {}
+  local old = redis.call('HGETALL', akey)
+  for j = 1, #old, 2 do
+    since[old[j]] = tonumber(old[j + 1])
+  end
+  redis.call('DEL', akey)
+  for _, lease in ipairs(redis.call('ZRANGE', lkey, 0, -1)) do
+    if not announced[lease] then
+      local first = since[lease] or now
+      if now - first >= ttl then
+        redis.call('ZREM', lkey, lease)
+      else
+        redis.call('HSET', akey, lease, first)
+        redis.call('PEXPIRE', akey, 2 * ttl)
+      end
+    end
+  end
   redis.call('PEXPIRE', lkey, ttl)
   if wanted and draining ~= '1' and redis.call('ZCARD', lkey) < tonumber(most) then
     table.insert(feed, wid)

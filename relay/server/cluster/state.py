@@ -24,7 +24,9 @@ Keys (``P`` is REDIS_PREFIX):
   its models, such as a legacy node), ``P:wm:<worker>`` (its models), ``P:l:<worker>``
   (its reservations, scored by expiry): all re-asserted by their process every second
   (:data:`relay.server.cluster.scripts.ANNOUNCE`) and expiring with it, so a dead
-  process's workers vanish with it and whatever Redis lost comes back;
+  process's workers vanish with it and whatever Redis lost comes back; ``P:la:<worker>``
+  (when its process first announced it without a reservation Redis holds: one whose
+  request never came is dropped a TTL later);
 - ``P:m:<provider>:<model>``: the workers serving a model — a hint, pruned of any
   worker its live process does not list with that model;
 - ``P:pl:<entry>``: where the slot found for a queued request is (until it lapses), for
