@@ -41,15 +41,16 @@ wrk:
 
 # The ORM and end-to-end tests run a second time against PostgreSQL (127.0.0.1:5432,
 # database "test"); without a reachable server that pass is skipped, except in CI.
+# (The cluster routing and limits tests run once: what they test lives in Redis.)
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
 PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tests/test_keys.py \
 	tests/server/test_admin_api.py tests/test_commands.py tests/server/test_live_relay.py \
 	tests/server/test_cluster.py tests/test_e2e.py tests/pages/test_pages.py \
 	tests/server/test_failures.py tests/server/test_security.py \
 	tests/server/test_security_edges.py tests/server/test_worker_trust.py \
-	tests/server/test_cluster_routing.py tests/server/test_bookkeeper.py \
+	tests/server/test_bookkeeper.py \
 	tests/server/test_fair_share.py tests/server/test_live_limits.py \
-	tests/server/test_cluster_limits.py tests/server/test_batches_api.py \
+	tests/server/test_batches_api.py \
 	tests/server/test_message_batches.py tests/server/test_batch_claims.py \
 	tests/test_batches_e2e.py tests/server/test_edge_admission.py
 

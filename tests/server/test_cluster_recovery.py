@@ -659,6 +659,7 @@ async def test_a_reservation_whose_request_never_came_is_dropped_within_a_ttl(tm
 
             await until(dropped, RECOVERY_SECS, "the reservation nobody holds to be dropped")
             assert now_ms() - started >= 1000  # kept for one TTL: it may have been in transit
+            assert held.lease is not None
             assert await redis.zscore(leases, held.lease) is not None
         finally:
             loop.cancel()
