@@ -329,38 +329,48 @@ async def test_a_refused_placement_gives_its_slot_back_even_when_redis_failed_me
     error reply): the reservation is still given back at the next pass Redis hears,
     not held on an idle worker until its pending lease lapses (15 s)."""
     from relay.server.cluster.convergence import now_ms
+
+    prefix = "mrtest-refused"
+    async with one_process(tmp_path, prefix, max_concurrent=1) as (placement, worker, redis):
+        leases = f"{prefix}:l:{worker.id}"
+        lease = "other|r-placed-there"
+        await redis.zadd(leases, {lease: now_ms() + 15_000})
+        await redis.delete(f"{prefix}:credentials")
+        await redis.rpush(f"{prefix}:credentials", "not a string")  # every pass: WRONGTYPE
+        before = set(placement._tasks)
+        placement.refused(worker.id, lease)
+        await asyncio.gather(*(placement._tasks - before))  # its resync met the error
+        assert placement.status == "degraded"
+        await redis.delete(f"{prefix}:credentials")
+        await until(lambda: _state(placement, "ok"), RECOVERY_SECS, "the next pass")
+
+        async def given_back() -> bool:
+            return await redis.zscore(leases, lease) is None
+
+        await until(given_back, RECOVERY_SECS, "the refused reservation to be given back")
+
+
+@asynccontextmanager
+async def one_process(
+    tmp_path: Any, prefix: str, *, max_concurrent: int
+) -> AsyncIterator[tuple[Any, Any, aioredis.Redis]]:
+    """One process's placement on a private Redis, in this process, joined; one worker
+    for model ``m`` attached without a socket (no heartbeat may drop it meanwhile)."""
     from relay.server.cluster.placement import RedisPlacement
     from tests.corekit import FAST as CORE
     from tests.corekit import attach, make_relay
 
     with private_redis(tmp_path / "redis") as (url, _):
-        # (The worker is attached without a socket: no heartbeat may drop it meanwhile.)
         relay = make_relay(dataclasses.replace(CORE, heartbeat_interval=60, heartbeat_timeout=120))
-        prefix = "mrtest-refused"
         placement = RedisPlacement(relay, url, prefix, "cluster-token", tick=0.1, ttl=1)
         relay.placement = placement
-        worker, _ = attach(relay, ["m"], max_concurrent=1)
+        worker, _ = attach(relay, ["m"], max_concurrent=max_concurrent)
         redis = aioredis.from_url(url)
         loop = asyncio.ensure_future(placement.run())
         try:
             placement.listening("http://127.0.0.1:9")
             await until(lambda: _state(placement, "ok"), RECOVERY_SECS, "the process to join")
-            leases = f"{prefix}:l:{worker.id}"
-            lease = "other|r-placed-there"
-            await redis.zadd(leases, {lease: now_ms() + 15_000})
-            await redis.delete(f"{prefix}:credentials")
-            await redis.rpush(f"{prefix}:credentials", "not a string")  # every pass: WRONGTYPE
-            before = set(placement._tasks)
-            placement.refused(worker.id, lease)
-            await asyncio.gather(*(placement._tasks - before))  # its resync met the error
-            assert placement.status == "degraded"
-            await redis.delete(f"{prefix}:credentials")
-            await until(lambda: _state(placement, "ok"), RECOVERY_SECS, "the next pass")
-
-            async def given_back() -> bool:
-                return await redis.zscore(leases, lease) is None
-
-            await until(given_back, RECOVERY_SECS, "the refused reservation to be given back")
+            yield placement, worker, redis
         finally:
             loop.cancel()
             await asyncio.gather(loop, return_exceptions=True)
@@ -625,46 +635,30 @@ async def test_a_reservation_whose_request_never_came_is_dropped_within_a_ttl(tm
     announced the worker without it for one TTL, not held until its far expiry; the
     reservations of requests the process does hold stay."""
     from relay.server.cluster.convergence import now_ms
-    from relay.server.cluster.placement import RedisPlacement
-    from tests.corekit import FAST as CORE
-    from tests.corekit import attach, make_relay
 
-    with private_redis(tmp_path / "redis") as (url, _):
-        relay = make_relay(dataclasses.replace(CORE, heartbeat_interval=60, heartbeat_timeout=120))
-        prefix = "mrtest-ghost"
-        placement = RedisPlacement(relay, url, prefix, "cluster-token", tick=0.1, ttl=1)
-        relay.placement = placement
-        worker, _ = attach(relay, ["m"], max_concurrent=2)
-        redis = aioredis.from_url(url)
-        loop = asyncio.ensure_future(placement.run())
-        try:
-            placement.listening("http://127.0.0.1:9")
-            await until(lambda: _state(placement, "ok"), RECOVERY_SECS, "the process to join")
-            held = relay.submit(
-                model="m",
-                endpoint_path=CHAT,
-                flavor="openai",
-                is_streaming=False,
-                body='{"model":"m"}',
-                headers={},
-            )
-            await until(lambda: _running(held), RECOVERY_SECS, "the request to be sent")
-            leases = f"{prefix}:l:{worker.id}"
-            ghost = "gone|r-never-came"
-            await redis.zadd(leases, {ghost: now_ms() + 600_000})
-            started = now_ms()
+    prefix = "mrtest-ghost"
+    async with one_process(tmp_path, prefix, max_concurrent=2) as (placement, worker, redis):
+        held = placement.relay.submit(
+            model="m",
+            endpoint_path=CHAT,
+            flavor="openai",
+            is_streaming=False,
+            body='{"model":"m"}',
+            headers={},
+        )
+        await until(lambda: _running(held), RECOVERY_SECS, "the request to be sent")
+        leases = f"{prefix}:l:{worker.id}"
+        ghost = "gone|r-never-came"
+        await redis.zadd(leases, {ghost: now_ms() + 600_000})
+        started = now_ms()
 
-            async def dropped() -> bool:
-                return await redis.zscore(leases, ghost) is None
+        async def dropped() -> bool:
+            return await redis.zscore(leases, ghost) is None
 
-            await until(dropped, RECOVERY_SECS, "the reservation nobody holds to be dropped")
-            assert now_ms() - started >= 1000  # kept for one TTL: it may have been in transit
-            assert held.lease is not None
-            assert await redis.zscore(leases, held.lease) is not None
-        finally:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
-            await redis.aclose()
+        await until(dropped, RECOVERY_SECS, "the reservation nobody holds to be dropped")
+        assert now_ms() - started >= 1000  # kept for one TTL: it may have been in transit
+        assert held.lease is not None
+        assert await redis.zscore(leases, held.lease) is not None
 
 
 async def _running(request: Any) -> bool:
