@@ -31,6 +31,7 @@ import concurrent.futures
 import itertools
 import json
 import math
+import random
 import secrets
 import shutil
 import statistics
@@ -102,17 +103,28 @@ def _user(n: int, t: int, size: int) -> str:
 
 
 async def _conversations(
-    url_of: Any, count: int, turns: int, user_bytes: int, first_bytes: int, base: int = 0
+    url_of: Any,
+    count: int,
+    turns: int,
+    user_bytes: int,
+    first_bytes: int,
+    base: int = 0,
+    think: float = 0.0,
 ) -> list[float]:
     """``count`` conversations (numbered from ``base``) of ``turns`` turns, all at
-    once. TTFTs."""
+    once; between two turns a conversation pauses for a time drawn uniformly from
+    [0, 2 * ``think``] seconds (its tools run, or its person reads), the same draws
+    for every policy. TTFTs."""
     ttfts: list[float] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
 
         async def one(n: int) -> None:
+            pauses = random.Random(n)
             messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
             for t in range(turns):
+                if t and think:
+                    await asyncio.sleep(pauses.uniform(0, 2 * think))
                 # The first turn carries the task and its context; later ones are short.
                 size = first_bytes if t == 0 else user_bytes
                 messages.append({"role": "user", "content": _user(n, t, size)})
@@ -177,6 +189,7 @@ def _multi_turn(url_of: Any, pool: Any, s: dict[str, Any], base: int = 0) -> dic
             s["k_user_bytes"],
             s["k_first_bytes"],
             base,
+            s["k_think_ms"] / 1000,
         )
     )
     served = pool.served[before:]
@@ -190,7 +203,10 @@ def _skew_rounds(url: str, pool: Any, s: dict[str, Any], rounds: int) -> dict[st
     """One conversation sends four turns at a time beside ``others`` sending one each.
     Every round the backends hold their answers until all of the round's requests are
     in flight, so what each backend runs is exactly what the relay placed on it; the hot
-    conversation's backend is checked against ceil(1.25 * in flight / workers)."""
+    conversation's backend is checked against the guard's bound at the end of the round:
+    max(ceil(factor * in flight / workers), least + 1 + slack) (what it was when each of
+    the hot turns was placed can only be lower)."""
+    guard = _routing(url)["guard"]
     others = s["k_skew_others"]
     workers = len(pool.upstreams)
     worst = 0.0
@@ -229,7 +245,10 @@ def _skew_rounds(url: str, pool: Any, s: dict[str, Any], rounds: int) -> dict[st
             pool.release()
             replies = running.result(120)
         hot_home = next(x.index for x in served if b"Skew conversation 0." in x.body)
-        bound = math.ceil(1.25 * sum(placed) / workers)
+        bound = max(
+            math.ceil(guard["load_factor"] * sum(placed) / workers),
+            min(placed) + 1 + guard["load_slack"],
+        )
         worst = max(worst, placed[hot_home] / bound)
         over += placed[hot_home] > bound
         for n, reply in replies[:1] + replies[4:]:

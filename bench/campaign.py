@@ -120,6 +120,7 @@ AFFINITY: dict[str, Any] = {
     "k_turns": 8,
     "k_first_bytes": 8000,
     "k_user_bytes": 300,
+    "k_think_ms": 100.0,
     "k_rounds": 3,
     "k_skew_others": 5,
     "k_skew_rounds": 4,

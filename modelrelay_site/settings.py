@@ -159,7 +159,8 @@ PRIORITY_AGING_SECS = env_float("PRIORITY_AGING_SECS", 60.0)
 PRIORITY_MAX_PREEMPTIONS = env_int("PRIORITY_MAX_PREEMPTIONS", 3)
 # Cache-aware routing (SPEC §14, relay/core/affinity.py): the policy, the session header
 # that names a conversation, the block size of prompt hashing, what the index keeps
-# (blocks per worker, explicit keys), and the bounded-load guard's factor.
+# (blocks per worker, explicit keys), the bounded-load guard (factor and slack), and the
+# share of a prompt a prefix match must cover to decide.
 ROUTING_POLICY = env_str("ROUTING_POLICY", "cache_aware")
 if ROUTING_POLICY not in ("cache_aware", "least_load"):
     raise ImproperlyConfigured(
@@ -170,9 +171,13 @@ AFFINITY_BLOCK_BYTES = env_int("AFFINITY_BLOCK_BYTES", 1024, minimum=16)
 AFFINITY_WORKER_BLOCKS = env_int("AFFINITY_WORKER_BLOCKS", 16384, minimum=1)
 AFFINITY_MAX_KEYS = env_int("AFFINITY_MAX_KEYS", 100_000, minimum=1)
 AFFINITY_LOAD_FACTOR = env_float("AFFINITY_LOAD_FACTOR", 1.25)
+AFFINITY_LOAD_SLACK = env_int("AFFINITY_LOAD_SLACK", 4, minimum=0)
+AFFINITY_MIN_MATCH = env_float("AFFINITY_MIN_MATCH", 0.5)
 AFFINITY_TTL_SECS = env_float("AFFINITY_TTL_SECS", 3600.0)
 if AFFINITY_LOAD_FACTOR < 1.0:
     raise ImproperlyConfigured("AFFINITY_LOAD_FACTOR must be at least 1")
+if not 0.0 <= AFFINITY_MIN_MATCH <= 1.0:
+    raise ImproperlyConfigured("AFFINITY_MIN_MATCH must be between 0 and 1")
 # Requests that do not generate (token counting) one worker runs at once, besides and
 # never in its generation slots.
 NON_GENERATING_PER_WORKER = env_int("NON_GENERATING_PER_WORKER", 4, minimum=1)

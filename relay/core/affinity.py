@@ -14,9 +14,10 @@ only ever changes where a request goes.
 ``worker_blocks``; the prefix blocks of a chain are touched last, so a worker's
 blocks of one prompt stay a prefix as the LRU evicts) and an LRU of explicit keys. It
 chooses among the workers that can take the request now (§6 decides which can):
-the worker the key names, else the one holding the longest prefix — as long as its
-load stays within the bounded-load guard ``load + 1 <= ceil(factor * (total + 1) /
-n)`` over those workers; otherwise it leaves the choice to least-load. It then
+the worker the key names, else the one holding the longest prefix when that prefix
+covers at least ``min_match`` of the prompt — as long as its load stays within the
+bounded-load guard ``load + 1 <= max(ceil(factor * (total + 1) / n), least + 1 +
+slack)`` over those workers; otherwise it leaves the choice to least-load. It then
 checks its guesses against what the backend says it reused (``cached_tokens`` in
 ``response_complete``): a predicted hit reported as a miss removes those blocks from
 that worker's LRU. Everything here is bounded and forgotten with its worker.
@@ -112,9 +113,15 @@ class AffinityConfig:
     max_keys: int = 100_000
     #: Workers with a table (this process's and, in cluster mode, others'), LRU.
     max_workers: int = 4096
-    #: The bounded-load guard (AFFINITY_LOAD_FACTOR): a worker takes a request for
-    #: its cache while its load stays within this factor of the mean.
+    #: The bounded-load guard (AFFINITY_LOAD_FACTOR, AFFINITY_LOAD_SLACK): a worker
+    #: takes a request for its cache while its load stays within this factor of the
+    #: mean, or within ``load_slack`` of the least loaded worker's.
     load_factor: float = 1.25
+    load_slack: int = 4
+    #: A prefix match decides only when it covers at least this share of the prompt
+    #: (AFFINITY_MIN_MATCH): a new conversation that shares just a system prompt is
+    #: placed least-load, so conversations spread before they grow.
+    min_match: float = 0.5
     #: Cluster mode: how long Redis remembers a conversation's worker after its last
     #: turn (AFFINITY_TTL_SECS).
     cluster_ttl: float = 3600.0
@@ -125,7 +132,17 @@ class AffinityConfig:
 class Affinity:
     """A request's affinity: its explicit key, its block chain, and what was predicted."""
 
-    __slots__ = ("_anchor", "_parts", "blocks", "decision", "key", "predicted", "seed")
+    __slots__ = (
+        "_anchor",
+        "_parts",
+        "blocks",
+        "decision",
+        "head_sizes",
+        "key",
+        "predicted",
+        "seed",
+        "size",
+    )
 
     def __init__(
         self,
@@ -137,6 +154,12 @@ class Affinity:
         self.key = key
         self.blocks = blocks
         self.seed = seed
+        #: Bytes of each leading part (system, instructions, tools), and of the prompt.
+        self.head_sizes: tuple[int, ...] = ()
+        self.size = 0
+        if parts is not None:
+            self.head_sizes = tuple(len(p) for p in parts[0])
+            self.size = sum(self.head_sizes) + len(parts[1])
         #: The prompt's parts, kept for :meth:`anchor` until :meth:`sent`.
         self._parts = parts
         self._anchor: str | None = None
@@ -163,6 +186,18 @@ class Affinity:
     def sent(self) -> None:
         """Drop the prompt's bytes (the anchor, once computed, is kept)."""
         self._parts = None
+
+    def covered(self, depth: int, block_bytes: int) -> int:
+        """Bytes of the prompt that its first ``depth`` blocks cover (a leading part's
+        last block may be short)."""
+        done = 0
+        for size in self.head_sizes:
+            count = -(-size // block_bytes)
+            if depth <= count:
+                return done + min(size, depth * block_bytes)
+            done += size
+            depth -= count
+        return done + depth * block_bytes
 
 
 def affinity_of(
@@ -271,9 +306,23 @@ class Router:
         return lo
 
     def bound(self, workers: Sequence[Worker]) -> int:
-        """The most load a worker may have after taking one more request."""
-        total = sum(w.load for w in workers) + 1
-        return math.ceil(self.config.load_factor * total / len(workers))
+        """The most load a worker may have after taking one more request for its cache:
+        ``factor`` times the mean, or ``slack`` more than the least loaded worker, the
+        larger (a multiplicative bound alone is strict at small loads: with four
+        requests running on one worker and one on the other, ceil(1.25 x 6 / 2) = 4
+        would move the busier one's next turn, and its whole prefix, for a difference
+        of three requests)."""
+        total = 1
+        least = workers[0].load
+        for w in workers:
+            load = w.load
+            total += load
+            if load < least:
+                least = load
+        config = self.config
+        return max(
+            math.ceil(config.load_factor * total / len(workers)), least + 1 + config.load_slack
+        )
 
     def choose(self, request: RelayRequest, workers: Sequence[W]) -> W | None:
         """The worker ``request`` should go to among ``workers`` (all can take it now),
@@ -296,9 +345,11 @@ class Router:
         best: W | None = None
         best_depth = 0
         if affinity.blocks:
+            # A match that covers less than min_match of the prompt does not decide.
+            floor = self.config.min_match * affinity.size
             for worker in workers:
                 depth = self.depth(worker.id, affinity.blocks)
-                if depth == 0:
+                if depth == 0 or affinity.covered(depth, self.config.block_bytes) < floor:
                     continue
                 if worker.load + 1 > bound:
                     guarded = True
@@ -406,6 +457,8 @@ class Router:
         refuted = sum(r.refuted for r in self.by_worker.values())
         return {
             "policy": self.config.policy,
+            "guard": {"load_factor": self.config.load_factor, "load_slack": self.config.load_slack},
+            "min_match": self.config.min_match,
             "decisions": {d: self.decisions[d] for d in DECISIONS},
             "predicted_hits_confirmed": confirmed,
             "predicted_hits_refuted": refuted,

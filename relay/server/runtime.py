@@ -82,6 +82,8 @@ def relay_config() -> RelayConfig:
             worker_blocks=s.AFFINITY_WORKER_BLOCKS,
             max_keys=s.AFFINITY_MAX_KEYS,
             load_factor=s.AFFINITY_LOAD_FACTOR,
+            load_slack=s.AFFINITY_LOAD_SLACK,
+            min_match=s.AFFINITY_MIN_MATCH,
             cluster_ttl=s.AFFINITY_TTL_SECS,
             session_header=s.AFFINITY_SESSION_HEADER,
         ),

@@ -78,18 +78,58 @@ async def test_turns_of_a_conversation_follow_their_worker():
     assert relay.router.decisions["miss"] == 6
 
 
-async def test_a_shared_system_prompt_draws_new_conversations_until_the_guard():
+async def test_a_shared_system_prompt_alone_does_not_draw_new_conversations():
     relay = make_relay(CONFIG)
     attach(relay, name="a", max_concurrent=8)
     attach(relay, name="b", max_concurrent=8)
-    finish(relay, send(relay, chat(conversation(0)[:1])))
-    running = [send(relay, chat(conversation(n)[:1])) for n in range(1, 9)]
+
+    def task(n: int) -> str:
+        return chat([f"task {n}: " + "the details of the task " * 20])
+
+    finish(relay, send(relay, task(0)))
+    running = [send(relay, task(n)) for n in range(1, 9)]
+    # Their common system prompt covers less than half of each first turn (min_match):
+    # least-load spreads them, so each conversation has a home before it grows.
     names = [r.worker.name for r in running if r.worker is not None]
-    # The system prompt's blocks are on one worker: it takes new conversations while it
-    # stays within ceil(1.25 * (load + 1) / 2); the spill puts them on the other too,
-    # and from then on the less loaded of the two holders wins.
-    assert names[0] == names[1] != names[2]
     assert sorted(Counter(names).values()) == [4, 4]
+    assert relay.router.decisions["hit"] == 0
+
+
+async def test_a_long_shared_prefix_draws_new_conversations_until_the_guard():
+    relay = make_relay(CONFIG)
+    a, _ = attach(relay, name="a", max_concurrent=8)
+    b, _ = attach(relay, name="b", max_concurrent=8)
+    document = "A long shared document. " * 50
+    finish(relay, send(relay, chat(conversation(0)[:1], system=document)))
+    holder = a if relay.router.blocks_of(a.id) else b
+    loads = []
+    for n in range(1, 9):
+        before = relay.router.bound([a, b])
+        request = send(relay, chat(conversation(n)[:1], system=document))
+        loads.append((request.worker is holder, holder.load, before))
+    # The holder takes each while its load after it stays within the guard: 1.25 x the
+    # mean, or the least load + 1 + slack (4): five. The sixth spills, and from then on
+    # the less loaded of the two holders wins.
+    assert all(mine <= bound for took, mine, bound in loads if took), loads
+    assert holder.load == 5 and relay.router.decisions["guard"] == 1
+    assert [took for took, _, _ in loads] == [True] * 5 + [False] * 3
+
+
+async def test_the_slack_keeps_a_turn_home_where_the_factor_alone_would_move_it():
+    strict = dataclasses.replace(FAST, affinity=AffinityConfig(block_bytes=BLOCK, load_slack=0))
+    for config, stays in ((strict, False), (CONFIG, True)):
+        relay = make_relay(config)
+        attach(relay, name="a", max_concurrent=8)
+        attach(relay, name="b", max_concurrent=8)
+        home = finish(relay, send(relay, chat(conversation(1)[:3])))
+        other = next(w for w in relay.registry.workers.values() if w is not home)
+        home.extra_load, other.extra_load = 4, 1  # what the workers report running
+        # ceil(1.25 x 6 / 2) = 4 would move the turn (and its prefix) for a difference of
+        # three requests; within least + 1 + slack (4) it stays.
+        turn = send(relay, chat(conversation(1)[:5]))
+        assert (turn.worker is home) is stays
+        assert turn.affinity is not None
+        assert turn.affinity.decision == ("hit" if stays else "guard")
 
 
 async def test_an_explicit_key_wins_over_the_prompt_blocks():
@@ -120,8 +160,9 @@ async def test_the_guard_spills_a_hot_conversation_to_another_worker():
     for _ in range(6):  # all in flight at once
         send(relay, body)
         loads.append((home.load, sum(w.load for w in relay.registry.workers.values())))
-    # Its worker takes it while ceil(1.25 * total / 2) allows, the other the rest.
-    assert all(mine <= math.ceil(1.25 * total / 2) for mine, total in loads), loads
+    # Its worker takes it while max(ceil(1.25 * total / 2), least + 1 + 4) allows, the
+    # other the rest.
+    assert all(mine <= max(math.ceil(1.25 * total / 2), 5) for mine, total in loads), loads
     assert 0 < home.load < 6
     assert relay.router.decisions["guard"] >= 1
 

@@ -180,6 +180,7 @@ class RedisPlacement(Convergence, ClusterPreemption):
                 service_class=request.service_class,
                 anchor=affinity.anchor() if affinity is not None else "",
                 load_factor=self.relay.config.affinity.load_factor,
+                load_slack=self.relay.config.affinity.load_slack,
                 anchor_ttl_ms=int(self.relay.config.affinity.cluster_ttl * 1000),
             )
         except TROUBLE as exc:

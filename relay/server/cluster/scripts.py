@@ -73,9 +73,11 @@ local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local lane, weight = ARGV[12], tonumber(ARGV[13])
 local own_lease_ms, class = tonumber(ARGV[14]), ARGV[15]
 -- Cache-aware routing (SPEC §14): the conversation's anchor ('' for none), the
--- bounded-load guard's factor, and how long the conversation's worker is remembered.
+-- bounded-load guard's factor and slack, and how long the conversation's worker is
+-- remembered.
 local anchor, factor = ARGV[16] or '', tonumber(ARGV[17] or '1.25')
 local anchor_ttl = tonumber(ARGV[18] or '3600000')
+local slack = tonumber(ARGV[19] or '0')
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties, near = nil, {}, {}
 local open, total = {}, 0
@@ -112,7 +114,7 @@ if anchor ~= '' and #open > 0 then
   -- guard; else least-load, which becomes the conversation's worker.
   local home = redis.call('GET', anchor_key)
   if home then
-    local bound = math.ceil(factor * (total + 1) / #open)
+    local bound = math.max(math.ceil(factor * (total + 1) / #open), best + 1 + slack)
     for _, c in ipairs(open) do
       if c[1] == home then
         if c[2] + 1 <= bound then

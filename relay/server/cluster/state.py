@@ -154,6 +154,7 @@ class ClusterState:
         anchor: str = "",
         load_factor: float = 1.25,
         anchor_ttl_ms: int = 3_600_000,
+        load_slack: int = 0,
     ) -> tuple[str, Placed | None, int, bool]:
         """Reserve the least-loaded slot for ``model`` or queue ``entry`` at the back of
         ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
@@ -167,7 +168,8 @@ class ClusterState:
 
         ``anchor`` names the request's conversation (SPEC §14): the worker that took its
         last turn (remembered ``anchor_ttl_ms``) takes it again while its load stays
-        within the bounded-load guard (``load_factor``); otherwise least-load decides,
+        within the bounded-load guard (``load_factor`` times the mean, or ``load_slack``
+        above the least loaded worker); otherwise least-load decides,
         and the worker chosen becomes the conversation's. The last value returned is
         True when the conversation's worker was passed over for the guard.
         """
@@ -191,6 +193,7 @@ class ClusterState:
                 anchor,
                 load_factor,
                 anchor_ttl_ms,
+                load_slack,
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])
