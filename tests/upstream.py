@@ -53,7 +53,9 @@ import msgspec
 
 T = TypeVar("T")
 Framing = Literal["chunked", "close"]
-StreamUsage = Literal["when_asked", "openai", "unless_declined", "never"]
+#: ``llama``: as llama-server, usage when asked, and its ``timings`` on the last chunk
+#: with choices, or on the usage chunk when usage was asked for.
+StreamUsage = Literal["when_asked", "openai", "unless_declined", "never", "llama"]
 
 CREATED = 1_700_000_000
 #: Every token carries this 3-byte character; ``split_utf8`` cuts it between writes.
@@ -429,6 +431,8 @@ class FakeUpstream:
         events = _events(path, req.model, tokens, prompt, include_usage)
         if usage == "openai" and include_usage:
             events = [_null_usage(e) for e in events]
+        if usage == "llama" and path in ("/v1/chat/completions", "/v1/completions"):
+            events = _llama_timings(events, prompt, tokens, include_usage)
         for index, event in enumerate(events):
             if mock.break_after is not None and index > mock.break_after:
                 writer.transport.abort()  # a broken stream: no terminating chunk
@@ -631,6 +635,20 @@ def _null_usage(event: bytes) -> bytes:
     if event.startswith(b"data: {") and b'"usage"' not in event:
         return event[: event.rindex(b"}")] + b',"usage":null}' + b"\n\n"
     return event
+
+
+def _llama_timings(events: list[bytes], prompt: int, tokens: int, asked: bool) -> list[bytes]:
+    """``timings`` where llama-server puts them: the usage chunk when usage was asked
+    for, else the last chunk with choices."""
+    timings = b',"timings":{"cache_n":0,"prompt_n":%d,"predicted_n":%d,"prompt_ms":1.5}}' % (
+        prompt,
+        tokens,
+    )
+    marker = b'"choices":[],' if asked else b'"finish_reason":"'
+    at = max(i for i, event in enumerate(events) if marker in event)
+    event = events[at]
+    events[at] = event[: event.rindex(b"}")] + timings + b"\n\n"
+    return events
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:

@@ -237,6 +237,9 @@ class Backend:
         )
         self.origin = Origin.parse(config.backend_url)
         self._pool: ConnectionPool | None = None
+        #: The backend reports llama-server's timings in every stream: its streams are
+        #: charged from them, and not asked for usage (relay/worker/usage.py).
+        self.reports_timings = False
 
     @property
     def pool(self) -> ConnectionPool:
@@ -357,7 +360,11 @@ class Backend:
             # stream is asked for its usage when its client did not ask.
             asked = (
                 ask_for_usage(request.endpoint_path, request.body)
-                if (request.is_streaming and request.endpoint_path in USAGE_ON_REQUEST)
+                if (
+                    request.is_streaming
+                    and request.endpoint_path in USAGE_ON_REQUEST
+                    and not self.reports_timings
+                )
                 else None
             )
             body = (request.body if asked is None else asked).encode()
@@ -392,6 +399,8 @@ class Backend:
                 await conn.finished()
                 forwarder.finish()
                 scanner.finish()
+                if scanner.timings:
+                    self.reports_timings = True
                 return ResponseComplete(
                     request_id=rid,
                     status_code=resp.status,

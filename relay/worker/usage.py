@@ -9,6 +9,13 @@ asks for it (:func:`ask_for_usage`) and takes the extra usage event out of the s
 (:class:`UsageStripper`): the client receives exactly the bytes it would have received
 without it. A stream that still reports no usage is counted by the worker itself and
 the figure is marked ``estimated``.
+
+llama-server reports its ``timings`` (prompt tokens processed and reused, tokens
+predicted) on the last chunk of every stream, and on the usage chunk instead once usage
+is asked for: the worker then passes that chunk on without its ``usage``, and, having
+seen a backend report timings, stops asking it (:attr:`UsageScanner.timings`), so that
+its later streams reach the client exactly as they left the backend and are charged
+from the timings.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class UsageScanner:
         "estimate_prompt",
         "events",
         "prompt",
+        "timings",
         "total",
     )
 
@@ -90,6 +98,8 @@ class UsageScanner:
         #: in for usage the backend does not report.
         self.estimate_prompt: int | None = None
         self.events = 0
+        #: The backend reported llama-server's ``timings`` (with its token counts).
+        self.timings = False
 
     def estimate(self, body_bytes: int) -> None:
         """Count this stream, for an estimate should the backend report no usage."""
@@ -141,6 +151,9 @@ class UsageScanner:
         if cached is not None:
             self.cached = cached
         usage = doc.get("usage")
+        timings = doc.get("timings")
+        if isinstance(timings, dict):
+            self._timings(timings, usage_too=isinstance(usage, dict))
         if not isinstance(usage, dict):
             for key in ("response", "message"):  # Responses API / Anthropic message_start
                 inner = doc.get(key)
@@ -163,6 +176,20 @@ class UsageScanner:
             self.completion = completion
         if total is not None:
             self.total = total
+
+    def _timings(self, timings: dict[str, object], usage_too: bool) -> None:
+        processed = _count(timings.get("prompt_n"))
+        predicted = _count(timings.get("predicted_n"))
+        if processed is None or predicted is None:
+            return
+        self.timings = True
+        if usage_too:
+            return  # the usage object is what the backend counts as billed
+        prompt = processed + (_count(timings.get("cache_n")) or 0)
+        if self.prompt is None:
+            self.prompt = prompt
+        if self.completion is None:
+            self.completion = predicted
 
     def counts(self) -> TokenCounts | None:
         if self.prompt is None and self.completion is None and self.total is None:
@@ -240,10 +267,33 @@ def _strip(block: bytes) -> bytes:
         end = parts[i + 1] if i + 1 < len(parts) else b""
         if b'"usage"' in event:
             if _USAGE.search(event) is not None and _USAGE_ONLY.search(event) is not None:
-                continue  # the event the worker asked for: the client did not
+                # The event the worker asked for: the client did not. What else it
+                # carries (llama-server's timings) is the client's.
+                event = _without_usage(event) if b'"timings"' in event else b""
+                if not event:
+                    continue
             event = _NULL_USAGE.sub(b"", event)
         out.append(event + end)
     return b"".join(out)
+
+
+def _without_usage(event: bytes) -> bytes:
+    """A usage event's ``data:`` without its ``usage`` member (b"": nothing else to
+    keep, or not an event this understands)."""
+    lines = event.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            doc = msgspec.json.decode(line[5:])
+        except msgspec.DecodeError:
+            return b""
+        if not isinstance(doc, dict) or "usage" not in doc:
+            return b""
+        del doc["usage"]
+        lines[i] = b"data: " + msgspec.json.encode(doc)
+        return b"\n".join(lines)
+    return b""
 
 
 def _undecided(tail: bytes) -> int:

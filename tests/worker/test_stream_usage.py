@@ -155,3 +155,67 @@ async def test_a_backend_that_ignores_the_option_is_charged_an_estimate() -> Non
             assert counts.prompt_tokens == -(-len(body) // 4)
             received = "".join(side.chunks("r-s")).encode()
             assert received == await direct(upstream, CHAT, body)
+
+
+# -- llama-server's timings ------------------------------------------------------------
+
+TIMED = (
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2},'
+    b'"timings":{"cache_n":1,"prompt_n":2,"predicted_n":2}}\n\n'
+)
+
+
+def test_timings_on_the_usage_event_reach_the_client_without_the_usage() -> None:
+    out: list[bytes] = []
+    stripper = UsageStripper(out.append)
+    stripper.feed(PLAIN + TIMED[:30])
+    stripper.feed(TIMED[30:] + DONE)
+    stripper.finish()
+    received = b"".join(out)
+    assert received == (
+        PLAIN
+        + b'data: {"id":"c","choices":[],"timings":{"cache_n":1,"prompt_n":2,"predicted_n":2}}'
+        + b"\n\n"
+        + DONE
+    )
+
+
+def test_a_stream_reporting_only_timings_is_charged_from_them() -> None:
+    scanner = UsageScanner()
+    scanner.estimate(400)
+    last = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+    last += b'"timings":{"cache_n":90,"prompt_n":10,"predicted_n":5}}\n\n'
+    scanner.count(PLAIN + last + DONE)
+    scanner.finish()
+    assert scanner.timings
+    assert scanner.counts() == TokenCounts(
+        prompt_tokens=100, completion_tokens=5, total_tokens=105, cached_tokens=90
+    )
+
+
+async def test_a_llama_server_stream_keeps_its_timings_and_is_then_left_exactly_as_sent() -> None:
+    async with (
+        FakeUpstream(stream_usage="llama", tokens=4) as upstream,
+        FakeRelay() as relay,
+        running(config(relay.url, upstream.url)),
+    ):
+        side = await relay.registered()
+        # The first stream is asked for its usage: llama-server moves its timings onto
+        # the usage event, which reaches the client without the usage.
+        await side.request("r-1", CHAT, stream=True)
+        first = await side.complete("r-1")
+        received = "".join(side.chunks("r-1")).encode()
+        assert b'"timings":{' in received and b'"usage"' not in received
+        assert first.token_counts is not None and first.token_counts.completion_tokens == 4
+        # The backend reports timings: later streams are not asked, pass unchanged and
+        # are charged from the timings.
+        body = await side.request("r-2", CHAT, stream=True)
+        second = await side.complete("r-2")
+        sent = upstream.requests_to(CHAT)[-1]
+        assert sent.body == body.encode()
+        received = "".join(side.chunks("r-2")).encode()
+        assert received == await direct(upstream, CHAT, body)
+        assert b'"timings":{' in received
+        assert second.token_counts is not None and not second.token_counts.estimated
+        assert second.token_counts.completion_tokens == 4
+        assert second.token_counts.prompt_tokens == first.token_counts.prompt_tokens
