@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench chaos browser nginx caddy wrk promtool clean
+.PHONY: run test lint bench chaos browser nginx caddy wrk promtool llama-server clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,11 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	DATA_DIR=$(CURDIR)/.test-data $(VENV)/bin/mypy .
+
+# Scenario (k) also measures two real llama-servers when this built them (CPU only, ~7 min on
+# 2 cores, from the llama.cpp tree in the llama-cpp-python sdist on PyPI); otherwise it says so.
+llama-server: $(VENV)/.runtime
+	PYTHON=$(PY) scripts/build-llama-server.sh
 
 bench: $(VENV)/.dev nginx wrk
 	$(PY) bench/run.py $(BENCH_ARGS)

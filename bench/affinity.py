@@ -44,7 +44,7 @@ import httpx
 import msgspec
 
 from bench.cluster import redis_reachable
-from bench.procs import Processes
+from bench.procs import Processes, free_port
 from bench.targets import ROOT, WORKER_SECRET, project_python, start_server, wait_workers
 
 MODEL = "mock-model"
@@ -53,7 +53,9 @@ ADMIN = "bench-admin-token"
 SYSTEM = "You are a careful coding agent. Follow the repository's conventions. " * 58
 
 
-def _start_workers(procs: Processes, url: str, backends: list[str], label: str) -> None:
+def _start_workers(
+    procs: Processes, url: str, backends: list[str], label: str, max_concurrent: int = 64
+) -> None:
     for i, backend in enumerate(backends):
         procs.start(
             f"worker-{label}-{i + 1}",
@@ -69,7 +71,7 @@ def _start_workers(procs: Processes, url: str, backends: list[str], label: str) 
                 "--models",
                 MODEL,
                 "--max-concurrent",
-                "64",
+                str(max_concurrent),
                 "--worker-name",
                 f"k-{label}-{i + 1}",
                 "--log-level",
@@ -548,8 +550,162 @@ def run(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[st
         log("  Redis: the placement script with and without an anchor; a shared block index")
         out["redis"] = measure(calls=s["k_redis_calls"])
     out["cluster"] = _cluster(procs, workdir, s, log)
-    if shutil.which("llama-server") is None:
-        out["llama_server"] = {"skipped": "no llama-server binary on this machine: not built"}
-    else:
-        out["llama_server"] = {"skipped": "llama-server found but not driven by this scenario"}
+    out["llama_server"] = _llama(procs, workdir, s, log)
+    return out
+
+
+# --------------------------------------------------------------------------- real llama-server
+
+LLAMA_DIR = ROOT / ".bench-cache" / "llama-server"
+LLAMA_SLOTS = 4
+#: Host-memory prompt cache per server (--cache-ram), MiB: with this model a token's KV is
+#: 1 KiB, so 32 MiB keeps about 32,000 tokens of other conversations' prompts.
+LLAMA_CACHE_MIB = 32
+
+
+def llama_server() -> tuple[str, Path] | str:
+    """(the llama-server binary, the tiny model) or why they are not there."""
+    binary = shutil.which("llama-server") or str(LLAMA_DIR / "bin" / "llama-server")
+    model = LLAMA_DIR / "tiny.gguf"
+    if not Path(binary).is_file():
+        return "no llama-server binary on this machine: `make llama-server` builds one"
+    if not model.is_file():
+        return "no model for it: `make llama-server` writes one"
+    return binary, model
+
+
+def _start_llamas(procs: Processes, binary: str, model: Path, count: int, label: str) -> list[str]:
+    """``count`` llama-servers, one thread each, LLAMA_SLOTS slots of 8192 tokens and a
+    prompt cache of LLAMA_CACHE_MIB."""
+    urls = []
+    for i in range(count):
+        port = free_port()
+        procs.start(
+            f"llama-{label}-{i + 1}",
+            [
+                binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                "--threads", "1", "--threads-batch", "1", "--parallel", str(LLAMA_SLOTS),
+                "--ctx-size", str(8192 * LLAMA_SLOTS), "--cache-ram", str(LLAMA_CACHE_MIB),
+                "--seed", "1", "--no-webui",
+            ],
+        )  # fmt: skip
+        urls.append(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 60
+    for url in urls:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server at {url} did not come up")
+            time.sleep(0.2)
+    return urls
+
+
+async def _llama_turn(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> tuple[float, str, int, int]:
+    """One streamed turn against llama-server, directly or through the relay: (seconds
+    to the first byte of content, the reply, prompt tokens processed, reused) as the
+    server's ``timings`` in the last chunk report them."""
+    started = time.perf_counter()
+    first = None
+    text = []
+    timings: dict[str, Any] = {}
+    async with client.stream("POST", url + CHAT, json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"status {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            timings = chunk.get("timings") or timings
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    if first is None:
+                        first = time.perf_counter() - started
+                    text.append(piece)
+    ttft = first if first is not None else time.perf_counter() - started
+    return ttft, "".join(text), int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
+
+
+async def _llama_conversations(url_of: Any, s: dict[str, Any], base: int) -> dict[str, Any]:
+    """Agent-shaped conversations (a shared system prompt, a long first turn, short
+    later ones, a pause between turns) against llama-servers."""
+    system = SYSTEM[: s["k_llama_system_bytes"]]
+    ttfts: list[float] = []
+    recomputed: list[int] = []
+    reused: list[int] = []
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def one(n: int) -> None:
+            pauses = random.Random(n)
+            messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+            for t in range(s["k_llama_turns"]):
+                if t:
+                    await asyncio.sleep(pauses.uniform(0, 2 * s["k_think_ms"] / 1000))
+                size = s["k_llama_first_bytes"] if t == 0 else s["k_llama_user_bytes"]
+                messages.append({"role": "user", "content": _user(n, t, size)})
+                body = {
+                    "model": MODEL,
+                    "stream": True,
+                    "max_tokens": 16,
+                    "temperature": 0,
+                    "messages": messages,
+                }
+                ttft, reply, processed, cached = await _llama_turn(client, url_of(n), body)
+                ttfts.append(ttft)
+                recomputed.append(processed)
+                reused.append(cached)
+                messages = [*messages, {"role": "assistant", "content": reply}]
+
+        await asyncio.gather(*(one(n) for n in range(base, base + s["k_llama_conversations"])))
+    return {"ttfts": ttfts, "recomputed": recomputed, "reused": reused}
+
+
+def _llama(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> dict[str, Any]:
+    """The multi-turn workload against two real llama-servers: least-load, cache-aware
+    and pinned, each on freshly started backends (empty caches), in that order."""
+    found = llama_server()
+    if isinstance(found, str):
+        return {"skipped": found}
+    binary, model = found
+    workers = 2
+    log(f"  real llama-server: {workers} backends, {LLAMA_SLOTS} slots each")
+    out: dict[str, Any] = {
+        "workers": workers,
+        "slots": LLAMA_SLOTS,
+        "cache_mib": LLAMA_CACHE_MIB,
+        "model": "random weights: 2 layers, 128 wide, one token per byte",
+    }
+    for policy in ("least_load", "cache_aware", "pinned"):
+        results: list[dict[str, Any]] = []
+        backends = _start_llamas(procs, binary, model, workers, policy)
+        if policy == "pinned":
+            target = _pinned(backends)
+        else:
+            server, url = start_server(
+                procs, workdir, f"k-llama-{policy}", None, "daphne", **_server_env(policy)
+            )
+            _start_workers(procs, url, backends, f"llama-{policy}", LLAMA_SLOTS)
+            wait_workers(url, workers, server, timeout=90)
+            target = _always(url)
+        for r in range(s["k_llama_rounds"]):
+            results.append(asyncio.run(_llama_conversations(target, s, 1000 * (r + 1))))
+        procs.stop_all()
+        ttfts = [x for r in results for x in r["ttfts"]]
+        recomputed = [x for r in results for x in r["recomputed"]]
+        reused = [x for r in results for x in r["reused"]]
+        out[policy] = {
+            "turns": len(ttfts),
+            "prompt_tokens_per_turn": round(
+                statistics.mean(recomputed) + statistics.mean(reused), 1
+            ),
+            "recomputed_per_turn": round(statistics.mean(recomputed), 1),
+            "ttft_ms": round(1000 * statistics.mean(ttfts), 2),
+        }
     return out

@@ -38,8 +38,10 @@ def affinity(res: dict[str, Any]) -> list[str]:
         f"of {s['k_turns']} streamed turns (an agent's shape) share a 4 KB system prompt; the "
         f"first turn brings a {s['k_first_bytes']}-byte task with its context, each later one a "
         f"{s['k_user_bytes']}-byte message on top of the whole history and the backend's "
-        "48-token replies. *Pinned* sends each conversation straight to one backend (no "
-        "relay).",
+        "48-token replies; between two turns a conversation pauses for a time drawn "
+        f"uniformly from 0 to {2 * s.get('k_think_ms', 0):g} ms (its tools run; the same "
+        "draws for every policy). *Pinned* sends each conversation straight to one backend "
+        "(no relay).",
         "",
     ]
     rows = []
@@ -96,7 +98,7 @@ def affinity(res: dict[str, Any]) -> list[str]:
                 [
                     "skew (one conversation four turns at a time beside "
                     f"{s['k_skew_others']} sending one, all in flight): its backend never over "
-                    "ceil(1.25 x in flight / workers)",
+                    "the guard, max(ceil(1.25 x in flight / workers), least + 1 + 4)",
                     f"over in {skew['over_bound']} of {skew['rounds']} rounds "
                     f"(at most {skew['worst_load_over_bound']:.2f}x the bound; "
                     f"{skew['guard_decisions']} guard spills)",
@@ -173,5 +175,57 @@ def affinity(res: dict[str, Any]) -> list[str]:
     llama = k.get("llama_server", {})
     if "skipped" in llama:
         lines += ["", f"- real llama-server: not run ({llama['skipped']})"]
+    elif llama:
+        lines += [
+            "",
+            f"Real llama-server (`make llama-server`: CPU build, {llama['model']}): "
+            f"{llama['workers']} backends of {llama['slots']} slots behind `worker.py` "
+            f"(`--max-concurrent {llama['slots']}`), fresh for each policy; "
+            f"{s['k_llama_conversations']} conversations of {s['k_llama_turns']} streamed "
+            f"turns (a {s['k_llama_system_bytes']}-byte shared system prompt, a "
+            f"{s['k_llama_first_bytes']}-byte first turn, {s['k_llama_user_bytes']}-byte "
+            "later ones, the same pauses), "
+            f"{s['k_llama_rounds']} round(s). Recomputed = the server's own `timings.prompt_n`.",
+            "",
+        ]
+        rows = []
+        for label in ("least_load", "cache_aware", "pinned"):
+            r = llama[label]
+            rows.append(
+                [
+                    label,
+                    f"{r['prompt_tokens_per_turn']:.0f}",
+                    f"{r['recomputed_per_turn']:.0f}",
+                    f"{r['ttft_ms']:.1f} ms",
+                ]
+            )
+        lines += table(["routing", "prompt tokens / turn", "recomputed / turn", "mean TTFT"], rows)
+        least, aware, pinned = llama["least_load"], llama["cache_aware"], llama["pinned"]
+        fewer = 1 - aware["recomputed_per_turn"] / max(1e-9, least["recomputed_per_turn"])
+        vs_pinned = aware["recomputed_per_turn"] / max(1e-9, pinned["recomputed_per_turn"])
+        lower = 1 - aware["ttft_ms"] / max(1e-9, least["ttft_ms"])
+        lines += [
+            "",
+            *table(
+                ["target (real llama-server)", "measured", ""],
+                [
+                    [
+                        f"recomputed tokens per turn ≤ {PINNED_RATIO}x pinned",
+                        f"{vs_pinned:.2f}x",
+                        _met(vs_pinned <= PINNED_RATIO),
+                    ],
+                    [
+                        f"≥ {100 * FEWER_THAN_LEAST:.0f} % fewer recomputed than least-load",
+                        f"{100 * fewer:.0f} %",
+                        _met(fewer >= FEWER_THAN_LEAST),
+                    ],
+                    [
+                        f"mean TTFT ≥ {100 * TTFT_LOWER:.0f} % lower than least-load",
+                        f"{100 * lower:.0f} %",
+                        _met(lower >= TTFT_LOWER),
+                    ],
+                ],
+            ),
+        ]
     lines.append("")
     return lines

@@ -313,3 +313,15 @@ def test_a_body_of_unexpected_shape_gets_no_blocks_and_no_error():
     prompt = msgspec.json.decode(b'{"model": "m", "messages": 5}', type=Prompt)
     affinity = affinity_of(prompt, "m", None, config)
     assert affinity is not None and affinity.blocks == [] and affinity.anchor()
+
+
+def test_a_prefix_is_measured_in_the_prompt_bytes_it_covers():
+    config = AffinityConfig(block_bytes=BLOCK)
+    system = "s" * 150  # as JSON: 152 bytes, three blocks (64, 64, 24)
+    messages = [{"role": "user", "content": "u" * 270}]  # 300 bytes: four full blocks
+    raw = json.dumps({"model": "m", "system": system, "messages": messages})
+    affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", None, config)
+    assert affinity is not None and len(affinity.blocks) == 3 + 4
+    body = len(json.dumps(messages))
+    assert affinity.size == 152 + body
+    assert [affinity.covered(d, BLOCK) for d in (0, 1, 3, 4, 7)] == [0, 64, 152, 216, 408]
