@@ -123,7 +123,7 @@ AFFINITY: dict[str, Any] = {
     "k_user_bytes": 300,
     "k_think_ms": 100.0,
     "k_llama_conversations": 8,
-    "k_llama_turns": 6,
+    "k_llama_turns": 12,
     "k_llama_system_bytes": 2000,
     "k_llama_first_bytes": 2000,
     "k_llama_user_bytes": 200,
