@@ -82,26 +82,67 @@ def _start_workers(
 
 
 async def _turn(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[float, str]:
-    """One streamed turn: (seconds to the first content byte, the reply's text)."""
+    """One streamed turn: (seconds to the first event, the reply's text)."""
+    ttft, text, _ = await _stream(client, url, body, first_content=False)
+    return ttft, text
+
+
+async def _stream(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], first_content: bool
+) -> tuple[float, str, dict[str, Any]]:
+    """One streamed turn: (seconds to the first event, or to the first piece of content
+    with ``first_content``; the reply's text; the last ``timings`` the stream carried)."""
     started = time.perf_counter()
     first = None
     text = []
+    timings: dict[str, Any] = {}
     async with client.stream("POST", url + CHAT, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"status {response.status_code}: {await response.aread()!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            if first is None:
+            chunk = json.loads(line[6:])
+            timings = chunk.get("timings") or timings
+            if first is None and not first_content:
                 first = time.perf_counter() - started
-            for choice in json.loads(line[6:]).get("choices", []):
-                text.append(choice.get("delta", {}).get("content") or "")
-    return (first if first is not None else time.perf_counter() - started), "".join(text)
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content") or ""
+                if piece and first is None:
+                    first = time.perf_counter() - started
+                text.append(piece)
+    ttft = first if first is not None else time.perf_counter() - started
+    return ttft, "".join(text), timings
 
 
 def _user(n: int, t: int, size: int) -> str:
     words = f"conversation {n} turn {t}: please change module {n}-{t} as discussed. "
     return (words * (size // len(words) + 1))[:size]
+
+
+async def _converse(
+    n: int,
+    turns: int,
+    system: str,
+    sizes: tuple[int, int],
+    think: float,
+    send: Any,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Conversation ``n``: ``turns`` streamed turns, each a new user message (the first
+    ``sizes[0]`` bytes, carrying the task and its context, later ones ``sizes[1]``) on
+    top of the whole history; between two turns it pauses for a time drawn uniformly
+    from [0, 2 * ``think``] seconds (its tools run, or its person reads), the same draws
+    for every policy. ``await send(n, body)`` returns the reply."""
+    pauses = random.Random(n)
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+    for t in range(turns):
+        if t and think:
+            await asyncio.sleep(pauses.uniform(0, 2 * think))
+        messages.append({"role": "user", "content": _user(n, t, sizes[0 if t == 0 else 1])})
+        body = {"model": MODEL, "stream": True, **(extra or {}), "messages": messages}
+        reply = await send(n, body)
+        messages = [*messages, {"role": "assistant", "content": reply}]
 
 
 async def _conversations(
@@ -114,28 +155,20 @@ async def _conversations(
     think: float = 0.0,
 ) -> list[float]:
     """``count`` conversations (numbered from ``base``) of ``turns`` turns, all at
-    once; between two turns a conversation pauses for a time drawn uniformly from
-    [0, 2 * ``think``] seconds (its tools run, or its person reads), the same draws
-    for every policy. TTFTs."""
+    once (see :func:`_converse`). TTFTs."""
     ttfts: list[float] = []
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
 
-        async def one(n: int) -> None:
-            pauses = random.Random(n)
-            messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-            for t in range(turns):
-                if t and think:
-                    await asyncio.sleep(pauses.uniform(0, 2 * think))
-                # The first turn carries the task and its context; later ones are short.
-                size = first_bytes if t == 0 else user_bytes
-                messages.append({"role": "user", "content": _user(n, t, size)})
-                body = {"model": MODEL, "stream": True, "messages": messages}
-                ttft, reply = await _turn(client, url_of(n), body)
-                ttfts.append(ttft)
-                messages = [*messages, {"role": "assistant", "content": reply}]
+        async def send(n: int, body: dict[str, Any]) -> str:
+            ttft, reply = await _turn(client, url_of(n), body)
+            ttfts.append(ttft)
+            return reply
 
-        await asyncio.gather(*(one(n) for n in range(base, base + count)))
+        sizes = (first_bytes, user_bytes)
+        await asyncio.gather(
+            *(_converse(n, turns, SYSTEM, sizes, think, send) for n in range(base, base + count))
+        )
     return ttfts
 
 
@@ -608,28 +641,10 @@ async def _llama_turn(
     client: httpx.AsyncClient, url: str, body: dict[str, Any]
 ) -> tuple[float, str, int, int]:
     """One streamed turn against llama-server, directly or through the relay: (seconds
-    to the first byte of content, the reply, prompt tokens processed, reused) as the
-    server's ``timings`` in the last chunk report them."""
-    started = time.perf_counter()
-    first = None
-    text = []
-    timings: dict[str, Any] = {}
-    async with client.stream("POST", url + CHAT, json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"status {response.status_code}: {await response.aread()!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            timings = chunk.get("timings") or timings
-            for choice in chunk.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    if first is None:
-                        first = time.perf_counter() - started
-                    text.append(piece)
-    ttft = first if first is not None else time.perf_counter() - started
-    return ttft, "".join(text), int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
+    to the first piece of content, the reply, prompt tokens processed, reused) as the
+    server's ``timings`` report them."""
+    ttft, text, timings = await _stream(client, url, body, first_content=True)
+    return ttft, text, int(timings.get("prompt_n", 0)), int(timings.get("cache_n", 0))
 
 
 async def _llama_conversations(url_of: Any, s: dict[str, Any], base: int) -> dict[str, Any]:
@@ -642,28 +657,22 @@ async def _llama_conversations(url_of: Any, s: dict[str, Any], base: int) -> dic
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
 
-        async def one(n: int) -> None:
-            pauses = random.Random(n)
-            messages: list[dict[str, str]] = [{"role": "system", "content": system}]
-            for t in range(s["k_llama_turns"]):
-                if t:
-                    await asyncio.sleep(pauses.uniform(0, 2 * s["k_think_ms"] / 1000))
-                size = s["k_llama_first_bytes"] if t == 0 else s["k_llama_user_bytes"]
-                messages.append({"role": "user", "content": _user(n, t, size)})
-                body = {
-                    "model": MODEL,
-                    "stream": True,
-                    "max_tokens": 16,
-                    "temperature": 0,
-                    "messages": messages,
-                }
-                ttft, reply, processed, cached = await _llama_turn(client, url_of(n), body)
-                ttfts.append(ttft)
-                recomputed.append(processed)
-                reused.append(cached)
-                messages = [*messages, {"role": "assistant", "content": reply}]
+        async def send(n: int, body: dict[str, Any]) -> str:
+            ttft, reply, processed, cached = await _llama_turn(client, url_of(n), body)
+            ttfts.append(ttft)
+            recomputed.append(processed)
+            reused.append(cached)
+            return reply
 
-        await asyncio.gather(*(one(n) for n in range(base, base + s["k_llama_conversations"])))
+        sizes = (s["k_llama_first_bytes"], s["k_llama_user_bytes"])
+        think = s["k_think_ms"] / 1000
+        extra = {"max_tokens": 16, "temperature": 0}
+        await asyncio.gather(
+            *(
+                _converse(n, s["k_llama_turns"], system, sizes, think, send, extra)
+                for n in range(base, base + s["k_llama_conversations"])
+            )
+        )
     return {"ttfts": ttfts, "recomputed": recomputed, "reused": reused}
 
 
