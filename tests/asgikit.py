@@ -21,8 +21,9 @@ from relay.wire import protocol
 SECRET = "mrw_asgi-test-secret"
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
-    """Yield to the loop until ``predicate()`` holds (bounded)."""
+async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Yield to the loop until ``predicate()`` holds (bounded: the bound is only ever
+    reached when something is wrong, or on a machine much slower than expected)."""
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.005)
