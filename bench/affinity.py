@@ -44,6 +44,7 @@ import httpx
 import msgspec
 
 from bench.cluster import redis_reachable
+from bench.peers import wait_http
 from bench.procs import Processes, free_port
 from bench.targets import ROOT, WORKER_SECRET, project_python, start_server, wait_workers
 
@@ -613,7 +614,7 @@ def _start_llamas(procs: Processes, binary: str, model: Path, count: int, label:
     urls = []
     for i in range(count):
         port = free_port()
-        procs.start(
+        proc = procs.start(
             f"llama-{label}-{i + 1}",
             [
                 binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -623,17 +624,7 @@ def _start_llamas(procs: Processes, binary: str, model: Path, count: int, label:
             ],
         )  # fmt: skip
         urls.append(f"http://127.0.0.1:{port}")
-    deadline = time.monotonic() + 60
-    for url in urls:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server at {url} did not come up")
-            time.sleep(0.2)
+        wait_http(urls[-1] + "/health", proc, timeout=60)
     return urls
 
 
