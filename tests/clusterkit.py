@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from relay.wire import protocol
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis
 from tests.live import LiveServer
 from tests.test_deploy_proxies import (
     nginx_binary,
@@ -40,9 +40,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def cluster(factory: Any, count: int, **env: str) -> Iterator[list[LiveServer]]:
     """``count`` server processes sharing one Redis prefix, pepper and database."""
     if "REDIS_URL" not in env:
-        require_service("Redis", "127.0.0.1", 6379)
+        require_redis()
     common = {
-        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_URL": REDIS_URL,
         "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}",
         "MODELRELAY_ADMIN_TOKEN": TOKEN,
         "MODELRELAY_SECRET_PEPPER": secrets.token_urlsafe(32),

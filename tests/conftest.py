@@ -5,6 +5,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -12,6 +13,16 @@ from tests.live import LiveServer
 from tests.live import live_server as _live_server
 
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+#: The Redis the tests use (RELAY_TEST_REDIS_URL points them at another one, e.g. a
+#: private server when several runs share a machine: some tests flush it).
+REDIS_URL = os.environ.get("RELAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+_redis = urlsplit(REDIS_URL)
+REDIS_HOST, REDIS_PORT = _redis.hostname or "127.0.0.1", _redis.port or 6379
+
+
+def redis_url(db: int) -> str:
+    """The tests' Redis, database ``db``."""
+    return f"redis://{REDIS_HOST}:{REDIS_PORT}/{db}"
 
 
 def require_service(name: str, host: str, port: int) -> None:
@@ -24,6 +35,11 @@ def require_service(name: str, host: str, port: int) -> None:
         if IN_CI:
             pytest.fail(message + "; CI requires it", pytrace=False)
         pytest.skip(message)
+
+
+def require_redis() -> None:
+    """Skip (on a developer machine) or fail (in CI) without the tests' Redis."""
+    require_service("Redis", REDIS_HOST, REDIS_PORT)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from relay.wire import protocol
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis
 from tests.rawworker import closed, connect, expect, register
 
 pytestmark = [pytest.mark.live, pytest.mark.redis]
@@ -28,9 +28,9 @@ async def eventually(check, timeout: float = 10.0, every: float = 0.05):
 
 
 async def test_admin_actions_and_key_changes_reach_every_process(relay_server_factory):
-    require_service("Redis", "127.0.0.1", 6379)
+    require_redis()
     common = {
-        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_URL": REDIS_URL,
         "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}",
         "MODELRELAY_ADMIN_TOKEN": TOKEN,
         "MODELRELAY_REQUIRE_API_KEYS": "true",

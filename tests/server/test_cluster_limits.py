@@ -14,7 +14,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis
 from tests.live import LiveServer
 from tests.scriptedworker import AnyOf, ScriptedWorker
 from tests.server.test_cluster import eventually
@@ -27,7 +27,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 def cluster_env() -> dict[str, str]:
     return {
-        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_URL": REDIS_URL,
         "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}",
         "MODELRELAY_ADMIN_TOKEN": ADMIN,
         "MODELRELAY_REQUIRE_API_KEYS": "true",
@@ -88,7 +88,7 @@ async def refused(oa: openai.AsyncOpenAI) -> openai.RateLimitError:
 @pytest.fixture
 def common() -> Iterator[dict[str, str]]:
     """The two processes' shared settings; their Redis keys are deleted afterwards."""
-    require_service("Redis", "127.0.0.1", 6379)
+    require_redis()
     env = cluster_env()
     yield env
     client = redis.Redis.from_url(env["REDIS_URL"])

@@ -26,6 +26,7 @@ import redis.asyncio as aioredis
 
 from relay.wire import protocol
 from tests.clusterkit import AUTH, CHAT, cluster, knows, nginx_round_robin, private_redis, until
+from tests.conftest import REDIS_URL
 from tests.live import LiveServer
 from tests.rawworker import closed, connect, expect, register
 from tests.scriptedworker import ScriptedWorker
@@ -621,7 +622,7 @@ def test_a_process_stopped_while_it_joins_the_cluster_exits_by_itself(relay_serv
     control loops stop even when the cancellation meets a Redis call (it used to be
     swallowed there: the process kept ticking until it was killed). Several starts, as
     the first tick and the signal race."""
-    env = {**FAST, "REDIS_URL": "redis://127.0.0.1:6379/0"}
+    env = {**FAST, "REDIS_URL": REDIS_URL}
     for _ in range(4):
         with cluster(relay_server_factory, 1, **env) as (server,):
             assert server.process is not None

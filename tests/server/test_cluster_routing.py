@@ -26,6 +26,7 @@ from tests.clusterkit import (
     until,
     waiting,
 )
+from tests.conftest import REDIS_HOST, REDIS_PORT
 from tests.live import LiveServer
 from tests.rawworker import connect, expect, register
 from tests.scriptedworker import ScriptedWorker
@@ -254,7 +255,7 @@ async def test_a_slot_on_a_local_worker_is_held_to_the_deadline_in_one_step(
         async with await connect(a) as ws:
             await register(ws, models=["m"], max_concurrent=2)
             await knows(b, "m")
-            r = aioredis.Redis(host="127.0.0.1", port=6379)
+            r = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT)
             scripts: list[tuple[str, str]] = []  # (script, its arguments)
 
             async def watch(ready: asyncio.Event) -> None:

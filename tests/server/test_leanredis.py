@@ -14,9 +14,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from relay.server.cluster.leanredis import LeanRedis, Script, lean_client
-from tests.conftest import require_service
+from tests.conftest import REDIS_HOST, REDIS_PORT, REDIS_URL, redis_url, require_redis
 
-URL = "redis://127.0.0.1:6379/0"
+URL = REDIS_URL
 
 ECHO = """
 -- {tag}
@@ -29,7 +29,7 @@ return ARGV[1]
 
 @pytest.fixture
 def redis_server() -> None:
-    require_service("Redis", "127.0.0.1", 6379)
+    require_redis()
 
 
 @asynccontextmanager
@@ -47,7 +47,7 @@ def echo_script(client: LeanRedis) -> Script:
 
 @pytest.mark.redis
 async def test_scripts_run_with_keys_and_args_and_give_redis_py_shaped_replies(redis_server):
-    reference = aioredis.Redis(host="127.0.0.1", port=6379)
+    reference = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT)
     async with lean_at(URL) as lean:
         script = echo_script(lean)  # the first call meets NOSCRIPT and loads it
         same = reference.register_script(script.source.decode())
@@ -74,8 +74,8 @@ async def test_many_callers_at_once_each_get_their_own_reply(redis_server):
 @pytest.mark.redis
 async def test_the_database_in_the_url_is_selected(redis_server):
     key = f"lean-test-{secrets.token_hex(4)}"
-    other = aioredis.Redis(host="127.0.0.1", port=6379, db=3)
-    async with lean_at("redis://127.0.0.1:6379/3") as lean:
+    other = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT, db=3)
+    async with lean_at(redis_url(3)) as lean:
         setter = Script(lean, "return redis.call('SET', KEYS[1], ARGV[1], 'PX', 60000)")
         assert await setter(keys=[key], args=["here"]) == b"OK"
     try:
@@ -89,7 +89,7 @@ async def test_the_database_in_the_url_is_selected(redis_server):
 async def test_its_connection_carries_its_name_in_client_list(redis_server):
     name = f"modelrelay:{secrets.token_hex(2)}:place"
     lean = LeanRedis(URL, name=name)
-    reference = aioredis.Redis(host="127.0.0.1", port=6379)
+    reference = aioredis.Redis(host=REDIS_HOST, port=REDIS_PORT)
     try:
         assert await echo_script(lean)(keys=["k"], args=["named"]) == b"named"
         names = [c["name"] for c in await reference.client_list()]
@@ -100,11 +100,11 @@ async def test_its_connection_carries_its_name_in_client_list(redis_server):
 
 
 def test_only_plain_redis_urls_use_it():
-    assert lean_client("redis://127.0.0.1:6379/0") is not None
+    assert lean_client(REDIS_URL) is not None
     assert lean_client("redis://:secret@10.0.0.2:6380/2") is not None
-    assert lean_client("rediss://127.0.0.1:6379/0") is None  # TLS: redis-py
+    assert lean_client(REDIS_URL.replace("redis://", "rediss://", 1)) is None  # TLS: redis-py
     assert lean_client("unix:///run/redis.sock") is None
-    assert lean_client("redis://127.0.0.1:6379/0?socket_timeout=3") is None
+    assert lean_client(REDIS_URL + "?socket_timeout=3") is None
 
 
 # -- a Redis that misbehaves, on a raw socket --------------------------------------------

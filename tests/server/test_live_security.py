@@ -14,7 +14,7 @@ import pytest
 from relay.core.routes import DEFAULT_ROUTES
 from relay.server.cluster.proxy import cluster_token
 from relay.wire import protocol
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis
 from tests.live import LiveServer
 from tests.rawworker import connect, expect, register
 
@@ -178,9 +178,9 @@ async def test_every_route_is_refused_before_its_body_when_it_will_be_refused_an
 
 @pytest.mark.redis
 async def test_only_the_cluster_token_lets_a_request_past_the_early_checks(relay_server_factory):
-    require_service("Redis", "127.0.0.1", 6379)
+    require_redis()
     env = {
-        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_URL": REDIS_URL,
         "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}",
         "MODELRELAY_SECRET_PEPPER": PEPPER,
         "MODELRELAY_REQUIRE_API_KEYS": "true",

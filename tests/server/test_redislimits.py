@@ -13,11 +13,11 @@ from relay.core.limits import KeyLimits, Limiter
 from relay.server.cluster.limits import RedisLimitStore
 from relay.wire import protocol
 from relay.wire.errors import ConcurrencyLimited, DailyQuotaExceeded, RequestRateLimited
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis
 
 pytestmark = pytest.mark.redis
 
-URL = "redis://127.0.0.1:6379/0"
+URL = REDIS_URL
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ async def stores() -> AsyncIterator[Callable[..., RedisLimitStore]]:
     each runs its own task (writes, heartbeat) until the test ends. With ``run=False``
     it stands for a process that dies right after its admissions: nothing renews its
     lease and nothing it ends is written."""
-    require_service("Redis", "127.0.0.1", 6379)
+    require_redis()
     prefix = f"mrtest-{secrets.token_hex(4)}"
     tasks: list[asyncio.Task[None]] = []
 

@@ -22,7 +22,7 @@ import websockets
 
 from relay.wire import protocol
 from tests import live
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis
 from tests.live import ROOT, LiveServer
 from tests.rawworker import closed, connect, expect, register
 
@@ -145,9 +145,9 @@ async def test_rotate_and_disconnect_in_the_admin_evicts_a_connected_worker(
 
 @pytest.mark.redis
 async def test_rotate_and_disconnect_reaches_a_worker_on_another_process(relay_server_factory):
-    require_service("Redis", "127.0.0.1", 6379)
+    require_redis()
     common = {
-        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_URL": REDIS_URL,
         "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}",
         "MODELRELAY_ADMIN_TOKEN": ADMIN_TOKEN,
         "SYNC_SECS": "60",

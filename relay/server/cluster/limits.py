@@ -43,6 +43,7 @@ from redis.exceptions import RedisError
 
 from relay.core.limits import DAY, KeyLimits, Limit, LimitStoreUnavailable, Periods, Refusal
 from relay.server.cluster.leanredis import Script, lean_client
+from relay.server.cluster.scripts import lua
 
 logger = logging.getLogger("relay.limits")
 
@@ -53,97 +54,11 @@ FORGET_MS = 3_600_000
 #: Token charges kept for retry while Redis is unreachable (beyond: dropped, logged).
 MAX_PENDING = 100_000
 
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
-#: KEYS: live, slots, rate, day, month.
-#: ARGV: process, lease ms, max_concurrent, requests/min, tokens/day, tokens/month (0: none).
-#: Returns {0, 0} when admitted, else {refusal (1 month, 2 day, 3 rate, 4 slots), retry ms}.
-ADMIT = (
-    _NOW
-    + """
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-local month_limit = tonumber(ARGV[6])
-if month_limit > 0 and tonumber(redis.call('GET', KEYS[5]) or '0') >= month_limit then
-  return {1, 0}
-end
-local day_limit = tonumber(ARGV[5])
-if day_limit > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') >= day_limit then
-  return {2, 0}
-end
-local rate = tonumber(ARGV[4])
-local tat = 0
-local interval = 0
-if rate > 0 then
-  interval = 60000 / rate
-  local slack = 60000 - interval
-  tat = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if tat < now then tat = now end
-  if tat - now > slack + 0.001 then
-    return {3, math.ceil(tat - slack - now)}
-  end
-end
-local most = tonumber(ARGV[3])
-if most > 0 then
-  local held = redis.call('HGETALL', KEYS[2])
-  local total = 0
-  for i = 1, #held, 2 do
-    local lease = redis.call('ZSCORE', KEYS[1], held[i])
-    if not lease then
-      redis.call('HDEL', KEYS[2], held[i])
-    elseif tonumber(lease) >= now then
-      total = total + tonumber(held[i + 1])
-    end
-  end
-  if total >= most then
-    return {4, 0}
-  end
-  redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-  redis.call('PEXPIRE', KEYS[2], 86400000)
-end
-if rate > 0 then
-  redis.call('SET', KEYS[3], string.format('%.3f', tat + interval), 'PX', 120000)
-end
-return {0, 0}
-"""
-)
-
-#: KEYS: slots, day, month. ARGV: process, held (0/1), tokens, day ttl ms, month ttl ms.
-FINISH = """
-if ARGV[2] == '1' then
-  local left = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
-  if left <= 0 then
-    redis.call('HDEL', KEYS[1], ARGV[1])
-  end
-end
-local tokens = tonumber(ARGV[3])
-if tokens > 0 then
-  redis.call('INCRBY', KEYS[2], tokens)
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  redis.call('INCRBY', KEYS[3], tokens)
-  redis.call('PEXPIRE', KEYS[3], ARGV[5])
-end
-return 0
-"""
-
-#: KEYS: live. ARGV: process, lease ms, forget ms. Returns 1 when this process's lease
-#: was gone (Redis restarted, flushed or evicted it, or the process stalled past it).
-BEAT = (
-    _NOW
-    + """
-local lost = 1
-local lease = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if lease and tonumber(lease) >= now then
-  lost = 0
-end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[3]))
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return lost
-"""
-)
+#: The limit scripts, kept as ``.lua`` files next to the cluster's others (see
+#: :mod:`relay.server.cluster.scripts`).
+ADMIT = lua("now", "admit")
+FINISH = lua("finish")
+BEAT = lua("now", "beat")
 
 _REFUSALS = {1: Limit.MONTH, 2: Limit.DAY, 3: Limit.RATE, 4: Limit.CONCURRENCY}
 _FAILURES = (RedisError, OSError, TimeoutError)

@@ -1,0 +1,3 @@
+-- Shared by the limit scripts (prepended to them): Redis's clock in ms as ``now``.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

@@ -1,0 +1,20 @@
+-- provider -> models served by the live workers of every live process; dead processes
+-- leave the process list here.
+local P = ARGV[1]
+local out = {}
+for _, inst in ipairs(redis.call('SMEMBERS', P .. ':procs')) do
+  if redis.call('EXISTS', P .. ':proc:' .. inst) == 0 then
+    redis.call('SREM', P .. ':procs', inst)
+  else
+    for _, wid in ipairs(redis.call('SMEMBERS', P .. ':pw:' .. inst)) do
+      local provider = redis.call('HGET', P .. ':w:' .. wid, 'provider')
+      if provider then
+        for _, model in ipairs(redis.call('SMEMBERS', P .. ':wm:' .. wid)) do
+          table.insert(out, provider)
+          table.insert(out, model)
+        end
+      end
+    end
+  end
+end
+return out
