@@ -28,6 +28,17 @@ supports in ``register.features`` and the server only sends it what it announced
   Independently of any feature, ``register`` and ``models_update`` may carry
   ``backend_error``: the worker withdrew its models because its backend cannot be
   reached (servers show it to operators; older ones ignore the field).
+- ``"model_states"`` (SPEC §19, models on demand): the worker's backend may hold more
+  models on disk than in memory. ``register`` then carries ``model_states`` (each
+  model's state: ``loaded``, ``loading``, ``loadable`` or ``sleeping``, and its slots
+  when known) and ``model_capacity`` (how many models the backend holds at once, None:
+  no known bound); ``models`` still lists every model it can serve, so a relay without
+  the extension sees what it always saw. The worker sends ``model_states`` (the whole
+  list again) whenever a state changes, whoever changed it. The relay loads and unloads
+  with ``model_load`` / ``model_unload`` (each with an ``op_id``), answered by one
+  ``model_result`` each. A relay with the extension routes a model only to workers where
+  it is ``loaded``; a worker without it counts as having every acked model loaded.
+  States a relay does not know count as not loaded.
 """
 
 from __future__ import annotations
@@ -69,8 +80,20 @@ BASE_CANCEL_REASONS = frozenset(
 FLOW_CONTROL = "flow_control"
 METRICS = "metrics"
 BACKEND_HEALTH = "backend_health"
+MODEL_STATES = "model_states"
 #: Features this implementation's worker and server both speak.
-FEATURES = (FLOW_CONTROL, METRICS, BACKEND_HEALTH)
+FEATURES = (FLOW_CONTROL, METRICS, BACKEND_HEALTH, MODEL_STATES)
+
+#: Model states (``model_states``): in memory and serving; being loaded; on disk only;
+#: put to sleep (in host memory, woken faster than a load).
+LOADED = "loaded"
+LOADING = "loading"
+LOADABLE = "loadable"
+SLEEPING = "sleeping"
+MODEL_STATE_NAMES = (LOADED, LOADING, LOADABLE, SLEEPING)
+#: The most entries a ``model_states`` list may hold (the relay keeps at most its
+#: MAX_MODELS_PER_WORKER of them).
+MAX_MODEL_STATES = 4096
 
 #: Bounds on numbers from a peer: far above any real value, far below what could
 #: overflow a float or a metric (a worker once reported a load of 10**300).
@@ -101,6 +124,26 @@ class TokenCounts(msgspec.Struct, omit_defaults=True):
     #: True when the backend reported no usage and the worker counted the stream
     #: itself (an estimate, labelled as such wherever the figure is shown).
     estimated: bool = False
+
+
+class ModelState(msgspec.Struct, omit_defaults=True):
+    """One model's state on a worker (``model_states``)."""
+
+    model: str
+    #: One of :data:`MODEL_STATE_NAMES`; any short text is accepted (a newer worker's
+    #: state must not cost the connection) and an unknown one counts as not loaded.
+    state: ShortText
+    #: Requests this model runs at once on the backend, when the backend tells.
+    slots: Annotated[int, msgspec.Meta(ge=1, le=U32_MAX)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots is not None:
+            self.slots = min(self.slots, MAX_COUNT)
+
+
+ModelStateList = Annotated[list[ModelState], msgspec.Meta(max_length=MAX_MODEL_STATES)]
+ModelCapacity = Annotated[int, msgspec.Meta(ge=1, le=U32_MAX)]
+OpId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
 # --- server -> worker --------------------------------------------------------
@@ -167,6 +210,22 @@ class MetricsRejected(msgspec.Struct, tag="metrics_rejected", tag_field="type"):
     max_series: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class ModelLoad(msgspec.Struct, tag="model_load", tag_field="type"):
+    """Load ``model`` into the backend's memory (``model_states``); answered by one
+    ``model_result`` with the same ``op_id``."""
+
+    model: str
+    op_id: OpId
+
+
+class ModelUnload(msgspec.Struct, tag="model_unload", tag_field="type"):
+    """Free ``model``'s memory (``model_states``): unloaded, or put to sleep where the
+    backend sleeps; answered by one ``model_result`` with the same ``op_id``."""
+
+    model: str
+    op_id: OpId
+
+
 ServerMessage = (
     RegisterAck
     | Request
@@ -177,6 +236,8 @@ ServerMessage = (
     | Pause
     | Resume
     | MetricsRejected
+    | ModelLoad
+    | ModelUnload
 )
 
 # --- worker -> server --------------------------------------------------------
@@ -195,10 +256,16 @@ class Register(msgspec.Struct, tag="register", tag_field="type"):
     features: Annotated[list[ShortText], msgspec.Meta(max_length=64)] = []
     #: Why the worker advertises no models: its backend cannot be reached.
     backend_error: ShortText | None = None
+    #: ``model_states``: each model's state, and how many models the backend holds at
+    #: once (None: no known bound).
+    model_states: ModelStateList | None = None
+    model_capacity: ModelCapacity | None = None
 
     def __post_init__(self) -> None:
         self.max_concurrent = min(self.max_concurrent, MAX_COUNT)
         self.current_load = min(self.current_load, MAX_COUNT)
+        if self.model_capacity is not None:
+            self.model_capacity = min(self.model_capacity, MAX_COUNT)
 
 
 class ModelsUpdate(msgspec.Struct, tag="models_update", tag_field="type"):
@@ -210,6 +277,36 @@ class ModelsUpdate(msgspec.Struct, tag="models_update", tag_field="type"):
     def __post_init__(self) -> None:
         if self.current_load is not None:
             self.current_load = min(self.current_load, MAX_COUNT)
+
+
+class ModelStates(msgspec.Struct, tag="model_states", tag_field="type"):
+    """Every model's state now (``model_states``), sent whenever one changed."""
+
+    states: ModelStateList
+    model_capacity: ModelCapacity | None = None
+    #: The requests the worker runs at once now, when that changed with the models
+    #: (llama-server's router: the slots of the loaded models); None: as registered.
+    max_concurrent: Annotated[int, msgspec.Meta(ge=1, le=U32_MAX)] | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_capacity is not None:
+            self.model_capacity = min(self.model_capacity, MAX_COUNT)
+        if self.max_concurrent is not None:
+            self.max_concurrent = min(self.max_concurrent, MAX_COUNT)
+
+
+class ModelResult(msgspec.Struct, tag="model_result", tag_field="type"):
+    """The answer to one ``model_load`` / ``model_unload``."""
+
+    op_id: OpId
+    model: str
+    op: Literal["load", "unload"]
+    ok: bool
+    #: The model's state once the operation ended.
+    state: ShortText = ""
+    #: Why it failed (``ok`` false).
+    error: ShortText | None = None
+    duration_ms: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class ResponseChunk(msgspec.Struct, tag="response_chunk", tag_field="type"):
@@ -268,7 +365,15 @@ BACKEND_UNREACHABLE = "backend_unreachable"
 
 
 WorkerMessage = (
-    Register | ModelsUpdate | ResponseChunk | ResponseComplete | Pong | Error | MetricsSample
+    Register
+    | ModelsUpdate
+    | ResponseChunk
+    | ResponseComplete
+    | Pong
+    | Error
+    | MetricsSample
+    | ModelStates
+    | ModelResult
 )
 
 _encoder = msgspec.json.Encoder()
