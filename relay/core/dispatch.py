@@ -37,6 +37,7 @@ from relay.core.placement import Placement
 from relay.core.preemption import Preemption
 from relay.core.providers import ProviderState, ProviderTable
 from relay.core.registry import Registry
+from relay.core.residency import Residency
 from relay.core.routes import NON_GENERATING
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
@@ -44,6 +45,7 @@ from relay.core.tracer import RequestTracer
 from relay.wire import protocol
 from relay.wire.errors import (
     Flavor,
+    ModelLoadTimeout,
     PayloadTooLarge,
     QueueFull,
     QueueTimeout,
@@ -59,7 +61,7 @@ logger = logging.getLogger("relay")
 Observer = Callable[[RequestRecord], None]
 
 
-class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
+class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency):
     def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
@@ -88,6 +90,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         #: Cluster mode: provider -> models served by workers of other processes.
         self.remote_models: dict[str, frozenset[str]] = {}
         self.evicted: dict[str, int] = {}
+        self._init_residency()
 
     # ------------------------------------------------------------------ requests
 
@@ -198,6 +201,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self.active += 1
         self._enqueue(primary, request, now)
         self._preempt_for(primary, request)
+        self._await_model(primary, request)  # models on demand: loaded nowhere yet?
         return request
 
     def _select(self, provider: str, model: str, request: RelayRequest) -> Worker | None:
@@ -337,6 +341,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         worker.in_flight[request.id] = request
         if request.affinity is not None:
             self.router.assigned(request, worker)
+        if worker.states is not None:
+            self._took(worker, request, now)
         if request.light:
             if request.lease is None:
                 worker.light += 1
@@ -396,7 +402,12 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
                     request.model,
                     extra={"request_id": request.id},
                 )
-                self._finish(request, QueueTimeout())
+                if request.awaits_load and not self.registry.loaded(
+                    request.provider, request.model
+                ):
+                    self._finish(request, ModelLoadTimeout(request.model))
+                else:
+                    self._finish(request, QueueTimeout())
             else:
                 self._finish(request, RequestTimeout())
         elif request.phase is Phase.ASSIGNED:

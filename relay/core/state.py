@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from relay.core.affinity import Affinity
     from relay.core.limits import Ticket
+    from relay.core.residency import ModelCounts, ModelOp
     from relay.wire.protocol import ServerMessage, TokenCounts
 
 
@@ -68,6 +69,7 @@ class RelayRequest:
         "_waiter",
         "affinity",
         "assigned_at",
+        "awaits_load",
         "body",
         "buffer",
         "cluster_seq",
@@ -199,6 +201,9 @@ class RelayRequest:
         self.why = ""
         #: Cache-aware routing (SPEC §14): its key and prompt blocks; None: not routed by them.
         self.affinity: Affinity | None = None
+        #: Models on demand (SPEC §19): it waited in the queue for its model to be
+        #: loaded (its queue deadline is then MODEL_LOAD_TIMEOUT_SECS's).
+        self.awaits_load = False
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -320,6 +325,20 @@ class Worker:
     #: Selection and the queue skip a worker for the requests it refuses, so it must
     #: be cheap and give the same answer every time for the same request.
     refuses: Callable[[RelayRequest], str | None] | None = None
+    #: Models on demand (SPEC §19, the ``model_states`` extension): each acked model's
+    #: state on its backend (``loaded``, ``loading``, ``loadable``, ``sleeping``); None
+    #: for a worker without the extension, whose every acked model counts as loaded.
+    #: Requests are routed to it only for the models it has loaded (``model_set``).
+    states: dict[str, str] | None = None
+    #: How many models its backend holds at once (None: no known bound).
+    model_capacity: int | None = None
+    #: model -> loop time it last took or finished a request (the least recently used
+    #: model is the one unloaded to make room).
+    used: dict[str, float] = field(default_factory=dict)
+    #: The model operations sent to it and not answered yet, by op id.
+    ops: dict[str, ModelOp] = field(default_factory=dict)
+    #: model -> its loads, unloads and load times (shown per worker and model).
+    model_counts: dict[str, ModelCounts] = field(default_factory=dict)
 
     @property
     def load(self) -> int:

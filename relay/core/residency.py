@@ -1,0 +1,553 @@
+"""Models on demand (SPEC §19): which model is loaded on which worker, decided here.
+
+A worker whose backend holds more models on disk than in memory (llama-server's
+router, llama-swap, Ollama, vLLM asleep or with LoRA adapters) announces the
+``model_states`` extension: each acked model's state and how many models its backend
+holds at once. The registry routes it only the models it has loaded; this module
+decides the rest, one process's workers at a time (cluster mode places loads through
+:mod:`relay.server.cluster` with the same rules):
+
+- A request queued for a model no worker has loaded causes exactly one load (single
+  flight per provider and model): on a worker holding it with a free model slot (one
+  where it sleeps first: waking is faster), else on one whose least recently used
+  loaded model has nothing in flight or queued, which is unloaded first. The request
+  waits in its queue for up to MODEL_LOAD_TIMEOUT_SECS (then 504); a failed load is
+  tried once on each other worker holding the model, then the waiting requests get 503.
+- A model with requests in flight or queued is never unloaded by the relay.
+- A model loaded somewhere whose queue keeps waiting past MODEL_SCALE_OUT_WAIT_SECS
+  gets a second copy on a worker with a free model slot; a model idle for
+  MODEL_IDLE_UNLOAD_SECS is unloaded (the worker puts it to sleep where its backend
+  sleeps).
+- A backend that changes a state by itself (another client loaded a model, an operator
+  unloaded one, it evicted one) is simply followed: its ``model_states`` frame is the
+  truth, and what waits for a model it dropped gets it loaded again.
+
+Decisions converge rather than rely on every notice: :meth:`Residency._reconcile`
+runs on every state change, answer and freed slot, and once per tick while a worker
+reports states. Operations are bounded: at most one per worker and model at a time,
+and one that gets no answer within MODEL_LOAD_TIMEOUT_SECS is forgotten.
+
+:class:`Residency` is a base of :class:`relay.core.dispatch.Dispatcher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from relay.core.config import RelayConfig
+from relay.core.registry import Registry
+from relay.core.state import Completion, Phase, RelayRequest, Worker
+from relay.core.stats import RelayStats
+from relay.wire import protocol
+from relay.wire.errors import ModelLoadFailed, RelayError
+from relay.wire.protocol import LOADED, LOADING, SLEEPING
+
+if TYPE_CHECKING:
+    from relay.core.placement import Placement
+    from relay.core.providers import ProviderState
+
+logger = logging.getLogger("relay")
+
+#: The longest pause between two reconcile passes while a worker reports states.
+MAX_TICK_SECS = 1.0
+#: States that take one of the backend's model slots.
+RESIDENT = frozenset({LOADED, LOADING})
+
+_op_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class ModelOp:
+    """One ``model_load`` / ``model_unload`` sent to a worker and not answered yet."""
+
+    op_id: str
+    kind: Literal["load", "unload"]
+    model: str
+    started: float
+    #: Why: ``demand`` (a request waits), ``scale_out``, ``evict`` (room for ``then``),
+    #: ``idle``.
+    reason: str
+    #: An eviction's purpose: the model to load once this unload succeeded.
+    then: str | None = None
+    #: A load whose model was reported loaded before its answer came (counted then).
+    counted: bool = False
+
+
+@dataclass(slots=True)
+class ModelCounts:
+    """One worker's loads and unloads of one model (``/admin/workers``, ``/metrics``)."""
+
+    loads: int = 0
+    load_failures: int = 0
+    unloads: int = 0
+    load_secs: float = 0.0
+    last_load_secs: float | None = None
+    #: Requests that waited for a load and were then served here.
+    waited: int = 0
+
+
+@dataclass(slots=True)
+class _Episode:
+    """A model loaded nowhere that requests wait for: the worker loading it (None while
+    none could be chosen) and the workers whose load of it failed meanwhile."""
+
+    worker_id: str | None = None
+    tried: set[str] = field(default_factory=set)
+
+
+def sanitize_states(worker: Worker, states: Iterable[protocol.ModelState]) -> dict[str, str]:
+    """A ``model_states`` list as the relay keeps it: acked models only (a state for
+    anything else is dropped), the first state given for each. (Per-model slots are not
+    used: the worker's ``max_concurrent`` covers its loaded models together.)"""
+    acked = set(worker.models)
+    out: dict[str, str] = {}
+    for entry in states:
+        model = entry.model.strip()
+        if model in acked and model not in out:
+            out[model] = entry.state
+    return out
+
+
+class Residency:
+    if TYPE_CHECKING:  # provided by the dispatcher
+        config: RelayConfig
+        loop: asyncio.AbstractEventLoop
+        registry: Registry
+        providers: dict[str, ProviderState]
+        placement: Placement | None
+        stats: RelayStats
+
+        @property
+        def clustered(self) -> bool: ...
+
+        def _finish(
+            self,
+            request: RelayRequest,
+            result: Completion | RelayError | object,
+            *,
+            outcome: str | None = None,
+            cancel_reason: str | None = None,
+        ) -> None: ...
+
+        def _offer(self, worker: Worker) -> None: ...
+
+        def _arm(self, request: RelayRequest, when: float) -> None: ...
+
+    #: (provider, model) -> the load its waiting requests are waiting for.
+    _episodes: dict[tuple[str, str], _Episode]
+    _residency_task: asyncio.Task[None] | None
+
+    def _init_residency(self) -> None:
+        self._episodes = {}
+        self._residency_task = None
+
+    # ------------------------------------------------------------ from the workers
+
+    def take_states(
+        self,
+        worker: Worker,
+        states: Iterable[protocol.ModelState],
+        model_capacity: int | None,
+        max_concurrent: int | None = None,
+    ) -> None:
+        """A worker's ``register`` or ``model_states``: every acked model's state now.
+
+        Called before the worker is in the registry (at register) or after (a change).
+        Whatever a state change makes possible happens before this returns: queued
+        requests go to a model that is loaded now, a load whose model arrived ends.
+        """
+        now = self.loop.time()
+        new = sanitize_states(worker, states)
+        if model_capacity is not None:
+            worker.model_capacity = model_capacity
+        if max_concurrent is not None:
+            worker.max_concurrent = min(max_concurrent, self.config.max_concurrent_cap)
+        old = worker.states or {}
+        for model, state in new.items():
+            if state == LOADED and old.get(model) != LOADED:
+                worker.used.setdefault(model, now)  # idle time counts from the load
+        for model in [m for m in worker.used if new.get(m) != LOADED]:
+            del worker.used[model]
+        if self.registry.workers.get(worker.id) is worker:
+            self.registry.set_states(worker, new, now)
+        else:
+            worker.states = new  # not routed yet: the registry indexes it when added
+            return
+        for model, state in new.items():
+            if state == LOADED and old.get(model) != LOADED:
+                self._arrived(worker, model, now)
+        self._offer(worker)
+        self._reconcile()
+        self._ensure_residency()
+
+    def on_model_result(self, worker: Worker, message: protocol.ModelResult) -> None:
+        """The answer to one of our ``model_load`` / ``model_unload``."""
+        op = worker.ops.get(message.op_id)
+        if op is None or op.model != message.model or op.kind != message.op:
+            logger.info(
+                "worker %s: answer to an unknown model operation %s dropped",
+                worker.name,
+                message.op_id[:64],
+            )
+            return
+        now = self.loop.time()
+        took = now - op.started
+        counts = self._counts(worker, op.model)
+        states = worker.states
+        if (
+            message.ok
+            and message.state
+            and states is not None
+            and (states.get(op.model) != message.state)
+        ):
+            # (The operation is still pending meanwhile: nothing decided here repeats it.)
+            self.take_states(worker, self._listed({**states, op.model: message.state}), None)
+        worker.ops.pop(message.op_id, None)
+        if op.kind == "load":
+            if message.ok:
+                logger.info(
+                    "worker %s loaded %s in %.2fs (%s)", worker.name, op.model, took, op.reason
+                )
+                if not op.counted:
+                    self._count_load(worker, op, now)
+                self._episodes.pop((worker.provider, op.model), None)
+            else:
+                counts.load_failures += 1
+                self.stats.model_load_failures += 1
+                logger.warning(
+                    "worker %s could not load %s: %s",
+                    worker.name,
+                    op.model,
+                    (message.error or "no reason given")[:300],
+                )
+                episode = self._episodes.get((worker.provider, op.model))
+                if episode is not None and episode.worker_id == worker.id:
+                    episode.worker_id = None
+                    episode.tried.add(worker.id)
+        else:
+            if message.ok:
+                counts.unloads += 1
+                self.stats.model_unloads += 1
+                logger.info(
+                    "worker %s unloaded %s in %.2fs (%s)", worker.name, op.model, took, op.reason
+                )
+                if op.then is not None:
+                    self._send_op(worker, "load", op.then, "demand")
+                    return
+            else:
+                logger.warning(
+                    "worker %s could not unload %s: %s",
+                    worker.name,
+                    op.model,
+                    (message.error or "no reason given")[:300],
+                )
+                if op.then is not None:
+                    episode = self._episodes.get((worker.provider, op.then))
+                    if episode is not None and episode.worker_id == worker.id:
+                        episode.worker_id = None
+                        episode.tried.add(worker.id)
+        self._reconcile()
+
+    def _forget_worker_models(self, worker: Worker) -> None:
+        """``worker`` left: a load it was doing is someone else's to do now."""
+        worker.ops.clear()
+        touched = False
+        for episode in self._episodes.values():
+            if episode.worker_id == worker.id:
+                episode.worker_id = None
+                touched = True
+        if touched:
+            self._reconcile()
+
+    # ------------------------------------------------------------ from the requests
+
+    def _await_model(self, state: ProviderState, request: RelayRequest) -> None:
+        """``request`` was just queued: if its model is loaded nowhere but a worker
+        here holds it, it waits for a load (one for all of them) within
+        MODEL_LOAD_TIMEOUT_SECS rather than QUEUE_TIMEOUT_SECS."""
+        provider = state.policy.name
+        if self.registry.loaded(provider, request.model) or not self.registry.holders(
+            provider, request.model
+        ):
+            return
+        self._reconcile_model(provider, request.model, self.loop.time())
+
+    def _wait_for_load(self, request: RelayRequest) -> None:
+        if request.awaits_load or request.phase is not Phase.QUEUED:
+            return
+        request.awaits_load = True
+        self.stats.model_load_waits += 1
+        started = request.enqueued_at if request.enqueued_at is not None else self.loop.time()
+        deadline = min(started + self.config.model_load_timeout, request.deadline)
+        if deadline > request.queue_deadline:
+            request.queue_deadline = deadline
+            self._arm(request, deadline)
+
+    def _took(self, worker: Worker, request: RelayRequest, now: float) -> None:
+        """``worker`` (which reports states) takes ``request``: its model was used now."""
+        worker.used[request.model] = now
+        if request.awaits_load:
+            self._counts(worker, request.model).waited += 1
+
+    def _used(self, worker: Worker, model: str, now: float) -> None:
+        """``worker`` finished a request for ``model`` (least recently used)."""
+        if worker.states is not None:
+            worker.used[model] = now
+
+    # ------------------------------------------------------------ the decisions
+
+    def _reconcile(self) -> None:
+        """Every model that requests wait for and no worker has loaded gets a load."""
+        if not self._episodes and not self._has_states():
+            return
+        now = self.loop.time()
+        for name, state in self.providers.items():
+            if not state.queue:
+                continue
+            for model in {r.model for r in state.queue}:
+                if not self.registry.loaded(name, model) and self.registry.holders(name, model):
+                    self._reconcile_model(name, model, now)
+        for key in [k for k in self._episodes if self.registry.loaded(*k)]:
+            del self._episodes[key]
+
+    def _reconcile_model(self, provider: str, model: str, now: float) -> None:
+        """One load for ``model``'s waiting requests, unless one is on its way; they
+        wait for it within MODEL_LOAD_TIMEOUT_SECS."""
+        if self.registry.loaded(provider, model):
+            self._episodes.pop((provider, model), None)
+            return
+        state = self.providers.get(provider)
+        if state is not None:
+            for request in state.queue:
+                if request.model == model:
+                    self._wait_for_load(request)
+        episode = self._episodes.setdefault((provider, model), _Episode())
+        if episode.worker_id is not None:
+            worker = self.registry.workers.get(episode.worker_id)
+            if worker is not None and self._busy_with(worker, model):
+                return
+            episode.worker_id = None  # its worker left, or its operation timed out
+        for worker in self.registry.holders(provider, model):
+            if (worker.states or {}).get(model) == LOADING and worker.id not in episode.tried:
+                episode.worker_id = worker.id  # its backend loads it already
+                return
+        target = self._load_target(provider, model, episode.tried)
+        if target is not None:
+            worker, victim = target
+            episode.worker_id = worker.id
+            if victim is None:
+                self._send_op(worker, "load", model, "demand")
+            else:
+                self._send_op(worker, "unload", victim, "evict", then=model)
+            return
+        untried = [w for w in self.registry.holders(provider, model) if w.id not in episode.tried]
+        if not untried:
+            self._fail_waiting(provider, model)
+
+    def _load_target(
+        self, provider: str, model: str, tried: set[str]
+    ) -> tuple[Worker, str | None] | None:
+        """Where to load ``model`` now: a worker holding it with a free model slot (one
+        where it sleeps first), else one that can unload an idle model (its least
+        recently used with nothing in flight or queued): the worker and that model."""
+        free: list[tuple[int, int, int, Worker]] = []
+        evictable: list[tuple[float, Worker, str]] = []
+        for worker in self.registry.holders(provider, model):
+            if worker.draining or worker.id in tried or self._busy_with(worker, model):
+                continue
+            states = worker.states or {}
+            resident = sum(1 for s in states.values() if s in RESIDENT)
+            capacity = worker.model_capacity
+            if capacity is None or resident < capacity:
+                asleep = 0 if states.get(model) == SLEEPING else 1
+                free.append((asleep, worker.load, resident, worker))
+                continue
+            victim = self._idle_model(worker)
+            if victim is not None:
+                evictable.append((worker.used.get(victim, 0.0), worker, victim))
+        if free:
+            return min(free, key=lambda c: c[:3])[3], None
+        if evictable:
+            _, worker, victim = min(evictable, key=lambda c: c[0])
+            return worker, victim
+        return None
+
+    def _idle_model(self, worker: Worker) -> str | None:
+        """``worker``'s least recently used loaded model that nothing runs on there,
+        nothing waits for and no operation touches; None when every one is busy."""
+        states = worker.states or {}
+        running = {r.model for r in worker.in_flight.values()}
+        queued = self._queued_models(worker.provider)
+        touched = {op.model for op in worker.ops.values()}
+        idle = [
+            m
+            for m, s in states.items()
+            if s == LOADED and m not in running and m not in queued and m not in touched
+        ]
+        if not idle:
+            return None
+        return min(idle, key=lambda m: worker.used.get(m, 0.0))
+
+    def _queued_models(self, provider: str) -> set[str]:
+        state = self.providers.get(provider)
+        if state is None or not state.queue:
+            return set()
+        return {r.model for r in state.queue}
+
+    def _busy_with(self, worker: Worker, model: str) -> bool:
+        """An operation for ``model`` (or one that ends in loading it) is under way."""
+        return any(op.model == model or op.then == model for op in worker.ops.values())
+
+    def _send_op(
+        self,
+        worker: Worker,
+        kind: Literal["load", "unload"],
+        model: str,
+        reason: str,
+        *,
+        then: str | None = None,
+    ) -> None:
+        op_id = f"m-{next(_op_ids):x}"
+        worker.ops[op_id] = ModelOp(op_id, kind, model, self.loop.time(), reason, then)
+        message: protocol.ModelLoad | protocol.ModelUnload
+        if kind == "load":
+            message = protocol.ModelLoad(model=model, op_id=op_id)
+        else:
+            message = protocol.ModelUnload(model=model, op_id=op_id)
+        logger.info(
+            "%s %s on worker %s (%s%s)",
+            "loading" if kind == "load" else "unloading",
+            model,
+            worker.name,
+            reason,
+            f", to load {then}" if then else "",
+        )
+        worker.link.send(message)
+        self._ensure_residency()
+
+    def _arrived(self, worker: Worker, model: str, now: float) -> None:
+        """``model`` is loaded on ``worker`` now: a load of ours is counted (its answer
+        may still come) and what waited for it is no longer waiting for a load."""
+        for op in worker.ops.values():
+            if op.kind == "load" and op.model == model and not op.counted:
+                self._count_load(worker, op, now)
+        self._episodes.pop((worker.provider, model), None)
+
+    def _count_load(self, worker: Worker, op: ModelOp, now: float) -> None:
+        op.counted = True
+        counts = self._counts(worker, op.model)
+        counts.loads += 1
+        counts.load_secs += now - op.started
+        counts.last_load_secs = now - op.started
+        self.stats.model_loads += 1
+
+    def _fail_waiting(self, provider: str, model: str) -> None:
+        """Every worker holding ``model`` failed to load it: what waits for it fails."""
+        self._episodes.pop((provider, model), None)
+        state = self.providers.get(provider)
+        if state is None:
+            return
+        for request in [r for r in state.queue if r.model == model and r.awaits_load]:
+            state.queue.remove(request)
+            self._finish(request, ModelLoadFailed(model))
+
+    # ------------------------------------------------------------ the tick
+
+    def _has_states(self) -> bool:
+        return any(w.states is not None for w in self.registry.workers.values())
+
+    def _ensure_residency(self) -> None:
+        if self._residency_task is None or self._residency_task.done():
+            self._residency_task = self.loop.create_task(self._residency_loop())
+
+    def _tick_secs(self) -> float:
+        config = self.config
+        bounds = [MAX_TICK_SECS, config.model_load_timeout / 4]
+        if config.model_scale_out_wait > 0:
+            bounds.append(config.model_scale_out_wait / 2)
+        if config.model_idle_unload > 0:
+            bounds.append(config.model_idle_unload / 2)
+        return max(min(bounds), 0.02)
+
+    async def _residency_loop(self) -> None:
+        """Once per tick while any worker reports states: forget operations that got no
+        answer, scale out, unload idle models, and reconcile."""
+        while self._has_states() or self._episodes:
+            await asyncio.sleep(self._tick_secs())
+            try:
+                self._residency_tick(self.loop.time())
+            except Exception:  # keep ticking for everyone else
+                logger.exception("models on demand: tick failed")
+
+    def _residency_tick(self, now: float) -> None:
+        timeout = self.config.model_load_timeout
+        for worker in list(self.registry.workers.values()):
+            for op_id, op in list(worker.ops.items()):
+                if now - op.started >= timeout:
+                    del worker.ops[op_id]
+                    logger.warning(
+                        "worker %s did not answer %s of %s within %gs",
+                        worker.name,
+                        op.kind,
+                        op.model,
+                        timeout,
+                    )
+                    if op.kind == "load" and not op.counted:
+                        self._counts(worker, op.model).load_failures += 1
+                        self.stats.model_load_failures += 1
+        if self.config.model_scale_out_wait > 0:
+            self._scale_out(now)
+        if self.config.model_idle_unload > 0:
+            self._unload_idle(now)
+        self._reconcile()
+
+    def _scale_out(self, now: float) -> None:
+        """A loaded model whose oldest waiting request waited past the bound gets one
+        more copy on a worker with a free model slot (never by unloading another)."""
+        bound = self.config.model_scale_out_wait
+        for name, state in self.providers.items():
+            oldest: dict[str, float] = {}
+            for request in state.queue:
+                since = request.enqueued_at
+                if since is not None and since < oldest.get(request.model, now):
+                    oldest[request.model] = since
+            for model, since in oldest.items():
+                if now - since < bound or not self.registry.loaded(name, model):
+                    continue
+                if (name, model) in self._episodes:
+                    continue
+                holders = self.registry.holders(name, model)
+                if any(self._busy_with(w, model) for w in holders):
+                    continue  # a copy is on its way
+                target = self._load_target(name, model, set())
+                if target is not None and target[1] is None:
+                    self._send_op(target[0], "load", model, "scale_out")
+
+    def _unload_idle(self, now: float) -> None:
+        bound = self.config.model_idle_unload
+        for worker in list(self.registry.workers.values()):
+            if worker.states is None or worker.draining:
+                continue
+            while True:
+                model = self._idle_model(worker)
+                if model is None or now - worker.used.get(model, now) < bound:
+                    break
+                self._send_op(worker, "unload", model, "idle")
+
+    # ------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _counts(worker: Worker, model: str) -> ModelCounts:
+        counts = worker.model_counts.get(model)
+        if counts is None:
+            counts = worker.model_counts[model] = ModelCounts()
+        return counts
+
+    @staticmethod
+    def _listed(states: dict[str, str]) -> list[protocol.ModelState]:
+        return [protocol.ModelState(model=m, state=s) for m, s in states.items()]
