@@ -87,8 +87,10 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency):
         self.placement: Placement | None = None
         #: Told of each traced request's dispatch and end; None while tracing is off.
         self.tracer: RequestTracer | None = None
-        #: Cluster mode: provider -> models served by workers of other processes.
+        #: Cluster mode: provider -> models served by workers of other processes, and
+        #: the part of them some worker has loaded (models on demand, SPEC §19).
         self.remote_models: dict[str, frozenset[str]] = {}
+        self.remote_loaded: dict[str, frozenset[str]] = {}
         self.evicted: dict[str, int] = {}
         self._init_residency()
 
@@ -176,6 +178,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency):
             self._aim(request, primary, primary_target)
             self.active += 1
             self._enqueue(primary, request, now)
+            self._await_model(primary, request)  # before its entry is placed: its deadline
             assert self.placement is not None
             self.placement.place(request)
             return request

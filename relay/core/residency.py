@@ -45,7 +45,7 @@ from relay.core.state import Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats
 from relay.wire import protocol
 from relay.wire.errors import ModelLoadFailed, RelayError
-from relay.wire.protocol import LOADED, LOADING, SLEEPING
+from relay.wire.protocol import LOADABLE, LOADED, LOADING, SLEEPING
 
 if TYPE_CHECKING:
     from relay.core.placement import Placement
@@ -76,6 +76,8 @@ class ModelOp:
     then: str | None = None
     #: A load whose model was reported loaded before its answer came (counted then).
     counted: bool = False
+    #: Cluster mode: a load the cluster chose this worker for (its end is reported).
+    cluster: bool = False
 
 
 @dataclass(slots=True)
@@ -121,6 +123,8 @@ class Residency:
         providers: dict[str, ProviderState]
         placement: Placement | None
         stats: RelayStats
+        remote_models: dict[str, frozenset[str]]
+        remote_loaded: dict[str, frozenset[str]]
 
         @property
         def clustered(self) -> bool: ...
@@ -216,6 +220,7 @@ class Residency:
                 if not op.counted:
                     self._count_load(worker, op, now)
                 self._episodes.pop((worker.provider, op.model), None)
+                self._load_ended(worker, op, ok=True)
             else:
                 counts.load_failures += 1
                 self.stats.model_load_failures += 1
@@ -229,6 +234,7 @@ class Residency:
                 if episode is not None and episode.worker_id == worker.id:
                     episode.worker_id = None
                     episode.tried.add(worker.id)
+                self._load_ended(worker, op, ok=False)
         else:
             if message.ok:
                 counts.unloads += 1
@@ -237,7 +243,7 @@ class Residency:
                     "worker %s unloaded %s in %.2fs (%s)", worker.name, op.model, took, op.reason
                 )
                 if op.then is not None:
-                    self._send_op(worker, "load", op.then, "demand")
+                    self._send_op(worker, "load", op.then, "demand", cluster=op.cluster)
                     return
             else:
                 logger.warning(
@@ -251,10 +257,14 @@ class Residency:
                     if episode is not None and episode.worker_id == worker.id:
                         episode.worker_id = None
                         episode.tried.add(worker.id)
+                    self._load_ended(worker, op, ok=False)
         self._reconcile()
 
     def _forget_worker_models(self, worker: Worker) -> None:
         """``worker`` left: a load it was doing is someone else's to do now."""
+        for op in worker.ops.values():
+            if op.kind == "load" or op.then is not None:
+                self._load_ended(worker, op, ok=False)
         worker.ops.clear()
         touched = False
         for episode in self._episodes.values():
@@ -271,17 +281,31 @@ class Residency:
         here holds it, it waits for a load (one for all of them) within
         MODEL_LOAD_TIMEOUT_SECS rather than QUEUE_TIMEOUT_SECS."""
         provider = state.policy.name
-        if self.registry.loaded(provider, request.model) or not self.registry.holders(
+        if self._loaded_anywhere(provider, request.model) or not self._held_anywhere(
             provider, request.model
         ):
             return
         self._reconcile_model(provider, request.model, self.loop.time())
+
+    def _loaded_anywhere(self, provider: str, model: str) -> bool:
+        """A worker here, or (cluster mode) of another process, has ``model`` loaded."""
+        return self.registry.loaded(provider, model) or (
+            self.placement is not None and model in self.remote_loaded.get(provider, ())
+        )
+
+    def _held_anywhere(self, provider: str, model: str) -> bool:
+        """A worker here, or (cluster mode) of another process, serves ``model``,
+        loaded there or not."""
+        return self.registry.serving(provider, model) or (
+            self.placement is not None and model in self.remote_models.get(provider, ())
+        )
 
     def _wait_for_load(self, request: RelayRequest) -> None:
         if request.awaits_load or request.phase is not Phase.QUEUED:
             return
         request.awaits_load = True
         self.stats.model_load_waits += 1
+        self._ensure_residency()
         started = request.enqueued_at if request.enqueued_at is not None else self.loop.time()
         deadline = min(started + self.config.model_load_timeout, request.deadline)
         if deadline > request.queue_deadline:
@@ -303,22 +327,23 @@ class Residency:
 
     def _reconcile(self) -> None:
         """Every model that requests wait for and no worker has loaded gets a load."""
-        if not self._episodes and not self._has_states():
+        if not self._episodes and not self._has_states() and not self.clustered:
             return
         now = self.loop.time()
         for name, state in self.providers.items():
             if not state.queue:
                 continue
             for model in {r.model for r in state.queue}:
-                if not self.registry.loaded(name, model) and self.registry.holders(name, model):
+                if not self._loaded_anywhere(name, model) and self._held_anywhere(name, model):
                     self._reconcile_model(name, model, now)
         for key in [k for k in self._episodes if self.registry.loaded(*k)]:
             del self._episodes[key]
 
     def _reconcile_model(self, provider: str, model: str, now: float) -> None:
         """One load for ``model``'s waiting requests, unless one is on its way; they
-        wait for it within MODEL_LOAD_TIMEOUT_SECS."""
-        if self.registry.loaded(provider, model):
+        wait for it within MODEL_LOAD_TIMEOUT_SECS. In cluster mode the cluster chooses
+        where, once for every process (:meth:`Placement.want_model`)."""
+        if self._loaded_anywhere(provider, model):
             self._episodes.pop((provider, model), None)
             return
         state = self.providers.get(provider)
@@ -326,6 +351,10 @@ class Residency:
             for request in state.queue:
                 if request.model == model:
                     self._wait_for_load(request)
+        if self.clustered:
+            assert self.placement is not None
+            self.placement.want_model(provider, model)
+            return
         episode = self._episodes.setdefault((provider, model), _Episode())
         if episode.worker_id is not None:
             worker = self.registry.workers.get(episode.worker_id)
@@ -411,9 +440,12 @@ class Residency:
         reason: str,
         *,
         then: str | None = None,
+        cluster: bool = False,
     ) -> None:
         op_id = f"m-{next(_op_ids):x}"
-        worker.ops[op_id] = ModelOp(op_id, kind, model, self.loop.time(), reason, then)
+        worker.ops[op_id] = ModelOp(
+            op_id, kind, model, self.loop.time(), reason, then, cluster=cluster
+        )
         message: protocol.ModelLoad | protocol.ModelUnload
         if kind == "load":
             message = protocol.ModelLoad(model=model, op_id=op_id)
@@ -446,6 +478,55 @@ class Residency:
         counts.last_load_secs = now - op.started
         self.stats.model_loads += 1
 
+    def _load_ended(self, worker: Worker, op: ModelOp, *, ok: bool) -> None:
+        """A load the cluster chose ``worker`` for ended (or the unload before it failed):
+        the cluster's lock on it goes, so the next choice can be made."""
+        if op.cluster and self.placement is not None:
+            self.placement.load_done(worker.provider, op.then or op.model, worker.id, ok)
+
+    def cluster_load(self, worker_id: str, provider: str, model: str, victim: str) -> bool:
+        """Cluster mode: the cluster chose ``worker_id`` (connected here) to load
+        ``model``, unloading ``victim`` first when it is not empty. False when it cannot
+        (gone, draining, the victim busy by now): the caller reports that back."""
+        worker = self.registry.workers.get(worker_id)
+        if worker is None or worker.draining or worker.provider != provider:
+            return False
+        if model not in worker.models or self._busy_with(worker, model):
+            return False
+        if victim:
+            if victim != self._idle_model(worker):
+                return False  # used again meanwhile: the cluster chooses again
+            self._send_op(worker, "unload", victim, "evict", then=model, cluster=True)
+        else:
+            self._send_op(worker, "load", model, "demand", cluster=True)
+        return True
+
+    def unload_idle(self, worker_id: str, model: str) -> None:
+        """Cluster mode: nothing waits for ``model`` anywhere; unload it from the local
+        worker ``worker_id`` if it is still that worker's idle model past the bound."""
+        worker = self.registry.workers.get(worker_id)
+        if worker is None or worker.draining or self._idle_model(worker) != model:
+            return
+        if (
+            self.loop.time() - worker.used.get(model, self.loop.time())
+            < self.config.model_idle_unload
+        ):
+            return
+        self._send_op(worker, "unload", model, "idle")
+
+    def fail_model_waiters(self, provider: str, model: str) -> None:
+        """Every worker holding ``model`` failed to load it lately (cluster mode: the
+        cluster said so): what waits here for it fails with 503."""
+        self._fail_waiting(provider, model)
+
+    def resident_count(self, worker: Worker) -> int:
+        """How many of ``worker``'s models are loaded or loading (its model slots used)."""
+        return sum(1 for s in (worker.states or {}).values() if s in RESIDENT)
+
+    def idle_model(self, worker: Worker) -> str | None:
+        """The model ``worker`` could unload to make room (see :meth:`_idle_model`)."""
+        return self._idle_model(worker)
+
     def _fail_waiting(self, provider: str, model: str) -> None:
         """Every worker holding ``model`` failed to load it: what waits for it fails."""
         self._episodes.pop((provider, model), None)
@@ -460,6 +541,10 @@ class Residency:
 
     def _has_states(self) -> bool:
         return any(w.states is not None for w in self.registry.workers.values())
+
+    def _awaiting_loads(self) -> bool:
+        """Requests wait here for a load (cluster mode: maybe on another process's worker)."""
+        return any(r.awaits_load for s in self.providers.values() for r in s.queue)
 
     def _ensure_residency(self) -> None:
         if self._residency_task is None or self._residency_task.done():
@@ -477,7 +562,7 @@ class Residency:
     async def _residency_loop(self) -> None:
         """Once per tick while any worker reports states: forget operations that got no
         answer, scale out, unload idle models, and reconcile."""
-        while self._has_states() or self._episodes:
+        while self._has_states() or self._episodes or self._awaiting_loads():
             await asyncio.sleep(self._tick_secs())
             try:
                 self._residency_tick(self.loop.time())
@@ -500,6 +585,8 @@ class Residency:
                     if op.kind == "load" and not op.counted:
                         self._counts(worker, op.model).load_failures += 1
                         self.stats.model_load_failures += 1
+                    if op.kind == "load" or op.then is not None:
+                        self._load_ended(worker, op, ok=op.counted)
         if self.config.model_scale_out_wait > 0:
             self._scale_out(now)
         if self.config.model_idle_unload > 0:
@@ -517,7 +604,11 @@ class Residency:
                 if since is not None and since < oldest.get(request.model, now):
                     oldest[request.model] = since
             for model, since in oldest.items():
-                if now - since < bound or not self.registry.loaded(name, model):
+                if now - since < bound or not self._loaded_anywhere(name, model):
+                    continue
+                if self.clustered:
+                    assert self.placement is not None
+                    self.placement.want_model(name, model, scale=True)
                     continue
                 if (name, model) in self._episodes:
                     continue
@@ -537,7 +628,35 @@ class Residency:
                 model = self._idle_model(worker)
                 if model is None or now - worker.used.get(model, now) < bound:
                     break
+                if self.clustered:
+                    # Requests for it may wait at another process: the cluster says.
+                    assert self.placement is not None
+                    self.placement.unload_if_unwanted(worker, model)
+                    break
                 self._send_op(worker, "unload", model, "idle")
+
+    # ------------------------------------------------------------ views
+
+    def loading(self) -> list[tuple[str, str]]:
+        """(provider, model) of each model requests wait for a load of."""
+        return sorted(self._episodes)
+
+    def model_state_view(self) -> dict[str, str]:
+        """model -> its best state on this process's workers (loaded, then loading,
+        asleep, loadable): what ``/v1/models`` shows; models of workers without the
+        extension count as loaded."""
+        rank = {LOADED: 0, LOADING: 1, SLEEPING: 2, LOADABLE: 3}
+        out: dict[str, str] = {}
+        for worker in self.registry.workers.values():
+            states = worker.states
+            for model in worker.models:
+                state = LOADED if states is None else states.get(model, LOADABLE)
+                if state not in rank:
+                    state = LOADABLE
+                best = out.get(model)
+                if best is None or rank[state] < rank[best]:
+                    out[model] = state
+        return out
 
     # ------------------------------------------------------------ helpers
 
