@@ -25,7 +25,13 @@ import redis.asyncio as aioredis
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.cluster.proxy import ProxyPool
-from relay.server.cluster.state import ClusterState, CredentialsMismatch, Placed, WorkerRow
+from relay.server.cluster.state import (
+    KEPT_OUT,
+    ClusterState,
+    CredentialsMismatch,
+    Placed,
+    WorkerRow,
+)
 
 logger = logging.getLogger("relay.cluster")
 
@@ -279,13 +285,18 @@ class Convergence:
     # -- state ---------------------------------------------------------------------------
 
     def _trouble(self, exc: BaseException) -> None:
-        """Redis (or the way to it) failed: degraded until a whole tick succeeds."""
+        """Redis (or the way to it) failed, or the cluster's live processes have other
+        credentials: degraded until a whole tick succeeds."""
         if isinstance(exc, CredentialsMismatch):
             problem = str(exc)
         else:
             problem = f"Redis unreachable: {exc.__class__.__name__}: {str(exc)[:200]}"
-        if self.status != "degraded":
+        # Said once when it starts, and once more when Redis answering again only shows
+        # that this process is kept out (the mismatch is retried every tick, silently).
+        kept_out = isinstance(exc, CredentialsMismatch) and problem != self.problem
+        if self.status != "degraded" or kept_out:
             logger.error("cluster degraded (%s): serving this process's workers only", problem)
+        if self.status != "degraded":
             self.status = "degraded"
             self.since = time.time()
         self.problem = problem
@@ -295,13 +306,20 @@ class Convergence:
         self.relay.dispatch_waiting()
 
     def _recovered(self) -> None:
-        was = self.status
+        was, kept_out = self.status, self.problem == KEPT_OUT
         self.status = "ok"
         self.problem = ""
         self.since = time.time()
         if was == "degraded":
             self.recoveries += 1
-            logger.warning("cluster: Redis answers again; placing cluster-wide again")
+            if kept_out:
+                logger.warning(
+                    "cluster: joined as %s (no live process has other credentials any more); "
+                    "placing cluster-wide",
+                    self.instance,
+                )
+            else:
+                logger.warning("cluster: Redis answers again; placing cluster-wide again")
         else:
             logger.info("cluster: joined through Redis as %s (%s)", self.instance, self.address)
         for request in list(self.waiting.values()):

@@ -56,8 +56,10 @@ Keys (``P`` is REDIS_PREFIX):
 - ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals);
 - ``P:aff:<provider>:<anchor>``: the worker that took a conversation's last turn
   (cache-aware routing, SPEC §14), expiring AFFINITY_TTL_SECS after it;
-- ``P:credentials``: a fingerprint of the cluster token of the first process to announce
-  itself; a process with another one stays out.
+- ``P:credentials``: a fingerprint of the cluster token (derived from the pepper) of the
+  live processes: set by the first process to announce itself when none are held,
+  renewed by each announce of a process that has them and expiring CLUSTER_TTL_SECS
+  after the last one; a process with others stays out until then (:data:`scripts.ANNOUNCE`).
 
 A reservation's id is its request's entry id, ``<instance>|<request id>``: unique, and
 the same string names the request's queue entry.
@@ -79,8 +81,21 @@ from relay.server.cluster.leanredis import LeanRedis, Script
 PENDING_LEASE_MS = 15_000
 
 
+#: What a process kept out for its credentials says (``/health``, the log, admin stats).
+KEPT_OUT = (
+    "this process's cluster credentials differ from those of the cluster's live processes: "
+    "every process must share MODELRELAY_SECRET_PEPPER; this one stays out while a process "
+    "with another pepper runs, and joins by itself within CLUSTER_TTL_SECS of the last one "
+    "stopping (docs/CLUSTER.md)"
+)
+
+
 class CredentialsMismatch(Exception):
-    """Redis holds another cluster's credentials (a process with another pepper)."""
+    """The cluster's live processes have other credentials (another pepper): this process
+    stays out until the last of them is gone."""
+
+    def __init__(self) -> None:
+        super().__init__(KEPT_OUT)
 
 
 def lane_of(service_class: str, key_id: int | None, requeued: bool) -> str:
@@ -277,7 +292,8 @@ class ClusterState:
     ) -> list[str]:
         """Re-assert this process and its workers (see :data:`scripts.ANNOUNCE`); the
         workers that have a free slot while their provider's queue holds entries.
-        Raises :class:`CredentialsMismatch` when the cluster's credentials are others."""
+        Raises :class:`CredentialsMismatch` (having re-asserted nothing) while the
+        cluster's live processes have other credentials."""
         args: list[Any] = [
             self.prefix,
             instance,
@@ -308,10 +324,7 @@ class ClusterState:
             args += [len(row.released), *row.released]
         status, *feed = [self.decode(item) for item in await self._announce(args=args)]
         if status != "ok":
-            raise CredentialsMismatch(
-                "this process's cluster credentials differ from the cluster's: every process "
-                "must share MODELRELAY_SECRET_PEPPER (docs/CLUSTER.md)"
-            )
+            raise CredentialsMismatch
         return feed
 
     async def remove_worker(self, instance: str, worker_id: str) -> None:

@@ -3,17 +3,32 @@
 -- worker's row, models and the reservations of the requests it runs, and drops the
 -- reservations it released while Redis could not hear it. Idempotent: run every second.
 -- Returns ``ok`` and the workers with a free slot while the queue holds entries for their
--- models, or ``mismatch``.
+-- models, or ``mismatch`` (having written nothing else).
 local P, inst, address = ARGV[1], ARGV[2], ARGV[3]
 local ttl, now, count = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local credentials = ARGV[7]
--- The cluster's credentials are those of the first process to announce itself; a process
--- with others (another pepper) stays out rather than take requests it could not pass on.
-local known = redis.call('GET', P .. ':credentials')
+-- The cluster's credentials are those of its live processes: set by the first process to
+-- announce itself when none are held (of two racing with different ones, the first script
+-- to run wins), kept by each announce of a process that has them for at least its TTL, so
+-- they expire one TTL after the last such process's last announce, like its address. A
+-- process with others (another pepper) stays out meanwhile rather than take requests it
+-- could not pass on, and takes over once they expired: a deployment restarted with a new
+-- pepper forms a cluster again; an old process back from a stall finds the new ones.
+local ckey = P .. ':credentials'
+local known = redis.call('GET', ckey)
 if not known then
-  redis.call('SET', P .. ':credentials', credentials)
+  redis.call('SET', ckey, credentials, 'PX', ttl)
 elseif known ~= credentials then
+  -- Credentials without an expiry were stored by an earlier version, which kept them for
+  -- good: give them one, so that they too live on only while a process that has them
+  -- announces itself.
+  if redis.call('PTTL', ckey) == -1 then
+    redis.call('PEXPIRE', ckey, ttl)
+  end
   return {'mismatch'}
+elseif redis.call('PTTL', ckey) < ttl then
+  -- (Never shortened: a process with a shorter TTL must not cut the others' short.)
+  redis.call('PEXPIRE', ckey, ttl)
 end
 redis.call('SET', P .. ':proc:' .. inst, address, 'PX', ttl)
 redis.call('SADD', P .. ':procs', inst)
