@@ -42,6 +42,7 @@ from relay.core.routes import NON_GENERATING
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
 from relay.core.tracer import RequestTracer
+from relay.core.upkeep import ModelUpkeep
 from relay.wire import protocol
 from relay.wire.errors import (
     Flavor,
@@ -61,7 +62,7 @@ logger = logging.getLogger("relay")
 Observer = Callable[[RequestRecord], None]
 
 
-class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency):
+class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, ModelUpkeep):
     def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()

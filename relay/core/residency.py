@@ -22,10 +22,12 @@ decides the rest, one process's workers at a time (cluster mode places loads thr
   unloaded one, it evicted one) is simply followed: its ``model_states`` frame is the
   truth, and what waits for a model it dropped gets it loaded again.
 
-Decisions converge rather than rely on every notice: :meth:`Residency._reconcile`
-runs on every state change, answer and freed slot, and once per tick while a worker
-reports states. Operations are bounded: at most one per worker and model at a time,
-and one that gets no answer within MODEL_LOAD_TIMEOUT_SECS is forgotten.
+Where a load goes and what makes room are plain functions of the workers' states
+(:mod:`relay.core.modelplan`). Decisions converge rather than rely on every notice:
+:meth:`Residency._reconcile` runs on every state change, answer and freed slot, and
+once per tick of :mod:`relay.core.upkeep` (which also scales out, unloads idle models
+and forgets operations never answered within MODEL_LOAD_TIMEOUT_SECS). Operations are
+bounded: at most one per worker and model at a time.
 
 :class:`Residency` is a base of :class:`relay.core.dispatch.Dispatcher`.
 """
@@ -36,16 +38,24 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from relay.core.config import RelayConfig
+from relay.core.modelplan import (
+    Episode,
+    busy_with,
+    counts,
+    idle_model,
+    load_target,
+    resident,
+    sanitize_states,
+)
 from relay.core.registry import Registry
-from relay.core.state import Completion, Phase, RelayRequest, Worker
+from relay.core.state import Completion, ModelOp, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats
 from relay.wire import protocol
 from relay.wire.errors import ModelLoadFailed, RelayError
-from relay.wire.protocol import LOADABLE, LOADED, LOADING, SLEEPING
+from relay.wire.protocol import LOADED, LOADING
 
 if TYPE_CHECKING:
     from relay.core.placement import Placement
@@ -53,66 +63,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("relay")
 
-#: The longest pause between two reconcile passes while a worker reports states.
-MAX_TICK_SECS = 1.0
-#: States that take one of the backend's model slots.
-RESIDENT = frozenset({LOADED, LOADING})
-
 _op_ids = itertools.count(1)
-
-
-@dataclass(slots=True)
-class ModelOp:
-    """One ``model_load`` / ``model_unload`` sent to a worker and not answered yet."""
-
-    op_id: str
-    kind: Literal["load", "unload"]
-    model: str
-    started: float
-    #: Why: ``demand`` (a request waits), ``scale_out``, ``evict`` (room for ``then``),
-    #: ``idle``.
-    reason: str
-    #: An eviction's purpose: the model to load once this unload succeeded.
-    then: str | None = None
-    #: A load whose model was reported loaded before its answer came (counted then).
-    counted: bool = False
-    #: Cluster mode: a load the cluster chose this worker for (its end is reported).
-    cluster: bool = False
-
-
-@dataclass(slots=True)
-class ModelCounts:
-    """One worker's loads and unloads of one model (``/admin/workers``, ``/metrics``)."""
-
-    loads: int = 0
-    load_failures: int = 0
-    unloads: int = 0
-    load_secs: float = 0.0
-    last_load_secs: float | None = None
-    #: Requests that waited for a load and were then served here.
-    waited: int = 0
-
-
-@dataclass(slots=True)
-class _Episode:
-    """A model loaded nowhere that requests wait for: the worker loading it (None while
-    none could be chosen) and the workers whose load of it failed meanwhile."""
-
-    worker_id: str | None = None
-    tried: set[str] = field(default_factory=set)
-
-
-def sanitize_states(worker: Worker, states: Iterable[protocol.ModelState]) -> dict[str, str]:
-    """A ``model_states`` list as the relay keeps it: acked models only (a state for
-    anything else is dropped), the first state given for each. (Per-model slots are not
-    used: the worker's ``max_concurrent`` covers its loaded models together.)"""
-    acked = set(worker.models)
-    out: dict[str, str] = {}
-    for entry in states:
-        model = entry.model.strip()
-        if model in acked and model not in out:
-            out[model] = entry.state
-    return out
 
 
 class Residency:
@@ -142,8 +93,12 @@ class Residency:
 
         def _arm(self, request: RelayRequest, when: float) -> None: ...
 
+        def _ensure_residency(self) -> None: ...
+
+        def _has_states(self) -> bool: ...
+
     #: (provider, model) -> the load its waiting requests are waiting for.
-    _episodes: dict[tuple[str, str], _Episode]
+    _episodes: dict[tuple[str, str], Episode]
     _residency_task: asyncio.Task[None] | None
 
     def _init_residency(self) -> None:
@@ -201,7 +156,7 @@ class Residency:
             return
         now = self.loop.time()
         took = now - op.started
-        counts = self._counts(worker, op.model)
+        record = counts(worker, op.model)
         states = worker.states
         if (
             message.ok
@@ -222,7 +177,7 @@ class Residency:
                 self._episodes.pop((worker.provider, op.model), None)
                 self._load_ended(worker, op, ok=True)
             else:
-                counts.load_failures += 1
+                record.load_failures += 1
                 self.stats.model_load_failures += 1
                 logger.warning(
                     "worker %s could not load %s: %s",
@@ -237,7 +192,7 @@ class Residency:
                 self._load_ended(worker, op, ok=False)
         else:
             if message.ok:
-                counts.unloads += 1
+                record.unloads += 1
                 self.stats.model_unloads += 1
                 logger.info(
                     "worker %s unloaded %s in %.2fs (%s)", worker.name, op.model, took, op.reason
@@ -316,7 +271,7 @@ class Residency:
         """``worker`` (which reports states) takes ``request``: its model was used now."""
         worker.used[request.model] = now
         if request.awaits_load:
-            self._counts(worker, request.model).waited += 1
+            counts(worker, request.model).waited += 1
 
     def _used(self, worker: Worker, model: str, now: float) -> None:
         """``worker`` finished a request for ``model`` (least recently used)."""
@@ -355,17 +310,22 @@ class Residency:
             assert self.placement is not None
             self.placement.want_model(provider, model)
             return
-        episode = self._episodes.setdefault((provider, model), _Episode())
+        episode = self._episodes.setdefault((provider, model), Episode())
         if episode.worker_id is not None:
             worker = self.registry.workers.get(episode.worker_id)
-            if worker is not None and self._busy_with(worker, model):
+            if worker is not None and busy_with(worker, model):
                 return
             episode.worker_id = None  # its worker left, or its operation timed out
         for worker in self.registry.holders(provider, model):
             if (worker.states or {}).get(model) == LOADING and worker.id not in episode.tried:
                 episode.worker_id = worker.id  # its backend loads it already
                 return
-        target = self._load_target(provider, model, episode.tried)
+        target = load_target(
+            self.registry.holders(provider, model),
+            model,
+            episode.tried,
+            self._queued_models(provider),
+        )
         if target is not None:
             worker, victim = target
             episode.worker_id = worker.id
@@ -378,59 +338,12 @@ class Residency:
         if not untried:
             self._fail_waiting(provider, model)
 
-    def _load_target(
-        self, provider: str, model: str, tried: set[str]
-    ) -> tuple[Worker, str | None] | None:
-        """Where to load ``model`` now: a worker holding it with a free model slot (one
-        where it sleeps first), else one that can unload an idle model (its least
-        recently used with nothing in flight or queued): the worker and that model."""
-        free: list[tuple[int, int, int, Worker]] = []
-        evictable: list[tuple[float, Worker, str]] = []
-        for worker in self.registry.holders(provider, model):
-            if worker.draining or worker.id in tried or self._busy_with(worker, model):
-                continue
-            states = worker.states or {}
-            resident = sum(1 for s in states.values() if s in RESIDENT)
-            capacity = worker.model_capacity
-            if capacity is None or resident < capacity:
-                asleep = 0 if states.get(model) == SLEEPING else 1
-                free.append((asleep, worker.load, resident, worker))
-                continue
-            victim = self._idle_model(worker)
-            if victim is not None:
-                evictable.append((worker.used.get(victim, 0.0), worker, victim))
-        if free:
-            return min(free, key=lambda c: c[:3])[3], None
-        if evictable:
-            _, worker, victim = min(evictable, key=lambda c: c[0])
-            return worker, victim
-        return None
-
-    def _idle_model(self, worker: Worker) -> str | None:
-        """``worker``'s least recently used loaded model that nothing runs on there,
-        nothing waits for and no operation touches; None when every one is busy."""
-        states = worker.states or {}
-        running = {r.model for r in worker.in_flight.values()}
-        queued = self._queued_models(worker.provider)
-        touched = {op.model for op in worker.ops.values()}
-        idle = [
-            m
-            for m, s in states.items()
-            if s == LOADED and m not in running and m not in queued and m not in touched
-        ]
-        if not idle:
-            return None
-        return min(idle, key=lambda m: worker.used.get(m, 0.0))
-
     def _queued_models(self, provider: str) -> set[str]:
+        """The models requests wait for in ``provider``'s queue here."""
         state = self.providers.get(provider)
         if state is None or not state.queue:
             return set()
         return {r.model for r in state.queue}
-
-    def _busy_with(self, worker: Worker, model: str) -> bool:
-        """An operation for ``model`` (or one that ends in loading it) is under way."""
-        return any(op.model == model or op.then == model for op in worker.ops.values())
 
     def _send_op(
         self,
@@ -472,10 +385,10 @@ class Residency:
 
     def _count_load(self, worker: Worker, op: ModelOp, now: float) -> None:
         op.counted = True
-        counts = self._counts(worker, op.model)
-        counts.loads += 1
-        counts.load_secs += now - op.started
-        counts.last_load_secs = now - op.started
+        record = counts(worker, op.model)
+        record.loads += 1
+        record.load_secs += now - op.started
+        record.last_load_secs = now - op.started
         self.stats.model_loads += 1
 
     def _load_ended(self, worker: Worker, op: ModelOp, *, ok: bool) -> None:
@@ -491,10 +404,10 @@ class Residency:
         worker = self.registry.workers.get(worker_id)
         if worker is None or worker.draining or worker.provider != provider:
             return False
-        if model not in worker.models or self._busy_with(worker, model):
+        if model not in worker.models or busy_with(worker, model):
             return False
         if victim:
-            if victim != self._idle_model(worker):
+            if victim != self.idle_model(worker):
                 return False  # used again meanwhile: the cluster chooses again
             self._send_op(worker, "unload", victim, "evict", then=model, cluster=True)
         else:
@@ -505,7 +418,7 @@ class Residency:
         """Cluster mode: nothing waits for ``model`` anywhere; unload it from the local
         worker ``worker_id`` if it is still that worker's idle model past the bound."""
         worker = self.registry.workers.get(worker_id)
-        if worker is None or worker.draining or self._idle_model(worker) != model:
+        if worker is None or worker.draining or self.idle_model(worker) != model:
             return
         if (
             self.loop.time() - worker.used.get(model, self.loop.time())
@@ -521,11 +434,12 @@ class Residency:
 
     def resident_count(self, worker: Worker) -> int:
         """How many of ``worker``'s models are loaded or loading (its model slots used)."""
-        return sum(1 for s in (worker.states or {}).values() if s in RESIDENT)
+        return resident(worker)
 
     def idle_model(self, worker: Worker) -> str | None:
-        """The model ``worker`` could unload to make room (see :meth:`_idle_model`)."""
-        return self._idle_model(worker)
+        """The model ``worker`` could unload to make room, nothing running or waiting
+        for it here (:func:`relay.core.modelplan.idle_model`)."""
+        return idle_model(worker, self._queued_models(worker.provider))
 
     def _fail_waiting(self, provider: str, model: str) -> None:
         """Every worker holding ``model`` failed to load it: what waits for it fails."""
@@ -536,136 +450,6 @@ class Residency:
         for request in [r for r in state.queue if r.model == model and r.awaits_load]:
             state.queue.remove(request)
             self._finish(request, ModelLoadFailed(model))
-
-    # ------------------------------------------------------------ the tick
-
-    def _has_states(self) -> bool:
-        return any(w.states is not None for w in self.registry.workers.values())
-
-    def _awaiting_loads(self) -> bool:
-        """Requests wait here for a load (cluster mode: maybe on another process's worker)."""
-        return any(r.awaits_load for s in self.providers.values() for r in s.queue)
-
-    def _ensure_residency(self) -> None:
-        if self._residency_task is None or self._residency_task.done():
-            self._residency_task = self.loop.create_task(self._residency_loop())
-
-    def _tick_secs(self) -> float:
-        config = self.config
-        bounds = [MAX_TICK_SECS, config.model_load_timeout / 4]
-        if config.model_scale_out_wait > 0:
-            bounds.append(config.model_scale_out_wait / 2)
-        if config.model_idle_unload > 0:
-            bounds.append(config.model_idle_unload / 2)
-        return max(min(bounds), 0.02)
-
-    async def _residency_loop(self) -> None:
-        """Once per tick while any worker reports states: forget operations that got no
-        answer, scale out, unload idle models, and reconcile."""
-        while self._has_states() or self._episodes or self._awaiting_loads():
-            await asyncio.sleep(self._tick_secs())
-            try:
-                self._residency_tick(self.loop.time())
-            except Exception:  # keep ticking for everyone else
-                logger.exception("models on demand: tick failed")
-
-    def _residency_tick(self, now: float) -> None:
-        timeout = self.config.model_load_timeout
-        for worker in list(self.registry.workers.values()):
-            for op_id, op in list(worker.ops.items()):
-                if now - op.started >= timeout:
-                    del worker.ops[op_id]
-                    logger.warning(
-                        "worker %s did not answer %s of %s within %gs",
-                        worker.name,
-                        op.kind,
-                        op.model,
-                        timeout,
-                    )
-                    if op.kind == "load" and not op.counted:
-                        self._counts(worker, op.model).load_failures += 1
-                        self.stats.model_load_failures += 1
-                    if op.kind == "load" or op.then is not None:
-                        self._load_ended(worker, op, ok=op.counted)
-        if self.config.model_scale_out_wait > 0:
-            self._scale_out(now)
-        if self.config.model_idle_unload > 0:
-            self._unload_idle(now)
-        self._reconcile()
-
-    def _scale_out(self, now: float) -> None:
-        """A loaded model whose oldest waiting request waited past the bound gets one
-        more copy on a worker with a free model slot (never by unloading another)."""
-        bound = self.config.model_scale_out_wait
-        for name, state in self.providers.items():
-            oldest: dict[str, float] = {}
-            for request in state.queue:
-                since = request.enqueued_at
-                if since is not None and since < oldest.get(request.model, now):
-                    oldest[request.model] = since
-            for model, since in oldest.items():
-                if now - since < bound or not self._loaded_anywhere(name, model):
-                    continue
-                if self.clustered:
-                    assert self.placement is not None
-                    self.placement.want_model(name, model, scale=True)
-                    continue
-                if (name, model) in self._episodes:
-                    continue
-                holders = self.registry.holders(name, model)
-                if any(self._busy_with(w, model) for w in holders):
-                    continue  # a copy is on its way
-                target = self._load_target(name, model, set())
-                if target is not None and target[1] is None:
-                    self._send_op(target[0], "load", model, "scale_out")
-
-    def _unload_idle(self, now: float) -> None:
-        bound = self.config.model_idle_unload
-        for worker in list(self.registry.workers.values()):
-            if worker.states is None or worker.draining:
-                continue
-            while True:
-                model = self._idle_model(worker)
-                if model is None or now - worker.used.get(model, now) < bound:
-                    break
-                if self.clustered:
-                    # Requests for it may wait at another process: the cluster says.
-                    assert self.placement is not None
-                    self.placement.unload_if_unwanted(worker, model)
-                    break
-                self._send_op(worker, "unload", model, "idle")
-
-    # ------------------------------------------------------------ views
-
-    def loading(self) -> list[tuple[str, str]]:
-        """(provider, model) of each model requests wait for a load of."""
-        return sorted(self._episodes)
-
-    def model_state_view(self) -> dict[str, str]:
-        """model -> its best state on this process's workers (loaded, then loading,
-        asleep, loadable): what ``/v1/models`` shows; models of workers without the
-        extension count as loaded."""
-        rank = {LOADED: 0, LOADING: 1, SLEEPING: 2, LOADABLE: 3}
-        out: dict[str, str] = {}
-        for worker in self.registry.workers.values():
-            states = worker.states
-            for model in worker.models:
-                state = LOADED if states is None else states.get(model, LOADABLE)
-                if state not in rank:
-                    state = LOADABLE
-                best = out.get(model)
-                if best is None or rank[state] < rank[best]:
-                    out[model] = state
-        return out
-
-    # ------------------------------------------------------------ helpers
-
-    @staticmethod
-    def _counts(worker: Worker, model: str) -> ModelCounts:
-        counts = worker.model_counts.get(model)
-        if counts is None:
-            counts = worker.model_counts[model] = ModelCounts()
-        return counts
 
     @staticmethod
     def _listed(states: dict[str, str]) -> list[protocol.ModelState]:

@@ -24,7 +24,7 @@ import asyncio
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 from relay.core.stats import RequestRecord
 from relay.wire.errors import Flavor, RelayError
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
     from relay.core.affinity import Affinity
     from relay.core.limits import Ticket
-    from relay.core.residency import ModelCounts, ModelOp
     from relay.wire.protocol import ServerMessage, TokenCounts
 
 
@@ -266,6 +265,38 @@ class RelayRequest:
 
     def __repr__(self) -> str:
         return f"<RelayRequest {self.id} {self.model} {self.phase.name}>"
+
+
+@dataclass(slots=True)
+class ModelOp:
+    """One ``model_load`` / ``model_unload`` sent to a worker and not answered yet."""
+
+    op_id: str
+    kind: Literal["load", "unload"]
+    model: str
+    started: float
+    #: Why: ``demand`` (a request waits), ``scale_out``, ``evict`` (room for ``then``),
+    #: ``idle``.
+    reason: str
+    #: An eviction's purpose: the model to load once this unload succeeded.
+    then: str | None = None
+    #: A load whose model was reported loaded before its answer came (counted then).
+    counted: bool = False
+    #: Cluster mode: a load the cluster chose this worker for (its end is reported).
+    cluster: bool = False
+
+
+@dataclass(slots=True)
+class ModelCounts:
+    """One worker's loads and unloads of one model (``/admin/workers``, ``/metrics``)."""
+
+    loads: int = 0
+    load_failures: int = 0
+    unloads: int = 0
+    load_secs: float = 0.0
+    last_load_secs: float | None = None
+    #: Requests that waited for a load and were then served here.
+    waited: int = 0
 
 
 class WorkerLink(Protocol):
