@@ -141,7 +141,9 @@ class Runtime:
             ]
         )
         #: OpenTelemetry traces (SPEC §17): a NullTracing unless OTEL_* turns them on.
-        self.tracing: EdgeTracer = tracing_from_environment(clock=loop.time, keys=self.keys)
+        self.tracing: EdgeTracer = tracing_from_environment(
+            clock=loop.time, keys=self.keys, trust_incoming=settings.OTEL_TRUST_INCOMING
+        )
         self.relay.tracer = self.tracing
         #: The latest metrics sample of each worker connected here (SPEC §17).
         self.federation = Federation(

@@ -5,7 +5,11 @@ tracing on (:mod:`relay.wire.telemetry`): the edges and the core call every hook
 unconditionally, and with tracing off each is a method call that does nothing, with
 no OpenTelemetry module loaded.
 
-One request, one trace, continuing the client's ``traceparent`` when it sent one:
+One request, one trace, continuing the client's ``traceparent`` when it sent one and
+``OTEL_TRUST_INCOMING`` is true (the default: the client's context then decides whether
+the request is recorded, and its ``tracestate`` travels into the spans and on to the
+backend); with it false every request starts a new trace at the edge and the client's
+context is ignored:
 
 - a root span ``POST /v1/...`` (kind server) from arrival to the last byte, with the
   request id, model, provider, API key *name* (never the secret), priority class,
@@ -64,9 +68,9 @@ class EdgeTracer(RequestTracer, Protocol):
     hooks (None: the request is not traced). No hook raises.
     """
 
-    def begin(self, headers: Headers, method: str, path: str) -> object:
-        """A request arrived (call first thing): its trace, under the caller's
-        ``traceparent`` when there is a valid one."""
+    def begin(self, headers: Headers, method: str, path: str, *, peer: bool = False) -> object:
+        """A request arrived (call first thing): its trace. ``peer``: another process
+        of the cluster placed it here, and its context is always continued."""
         ...
 
     def admitted(self, trace: object, request: RelayRequest) -> None:
@@ -88,7 +92,7 @@ class NullTracing(NullTracer):
 
     __slots__ = ()
 
-    def begin(self, headers: Headers, method: str, path: str) -> None:
+    def begin(self, headers: Headers, method: str, path: str, *, peer: bool = False) -> None:
         return None
 
     def admitted(self, trace: object, request: RelayRequest) -> None:
@@ -135,7 +139,8 @@ class Tracing:
     """The relay's tracer (an :class:`EdgeTracer`), while tracing is on.
 
     ``clock`` is the core's loop clock (the times it notes on requests); ``keys`` names
-    API keys.
+    API keys; ``trust_incoming`` (``OTEL_TRUST_INCOMING``) whether a client's context
+    is continued.
     """
 
     def __init__(
@@ -143,18 +148,23 @@ class Tracing:
         traces: telemetry.Traces,
         clock: Callable[[], float],
         keys: KeyCache | None = None,
+        *,
+        trust_incoming: bool = True,
     ) -> None:
         self.traces = traces
         self.tracer = traces.tracer
         self.clock = clock
         self.keys = keys
+        self.trust_incoming = trust_incoming
         self._failures = 0
 
     # -- the edges ------------------------------------------------------------
 
-    def begin(self, headers: Headers, method: str, path: str) -> RequestTrace | None:
+    def begin(
+        self, headers: Headers, method: str, path: str, *, peer: bool = False
+    ) -> RequestTrace | None:
         try:
-            return self._begin(headers, method, path)
+            return self._begin(headers, method, path, peer)
         except Exception:
             self._failed()
             return None
@@ -199,15 +209,17 @@ class Tracing:
 
     # -- details ----------------------------------------------------------------
 
-    def _begin(self, headers: Headers, method: str, path: str) -> RequestTrace:
+    def _begin(self, headers: Headers, method: str, path: str, peer: bool) -> RequestTrace:
         started = time.time_ns()
         loop_now = self.clock()
-        carrier = {
-            name.decode(): value.decode("latin-1")
-            for name, value in headers
-            if name in _CONTEXT_HEADERS
-        }
-        parent = self.traces.extract(carrier)
+        parent = None
+        if peer or self.trust_incoming:
+            carrier = {
+                name.decode(): value.decode("latin-1")
+                for name, value in headers
+                if name in _CONTEXT_HEADERS
+            }
+            parent = self.traces.extract(carrier)
         root = self.tracer.start_span(
             f"{method} {path}",
             context=parent,
@@ -380,10 +392,11 @@ def from_environment(
     *,
     clock: Callable[[], float],
     keys: KeyCache | None = None,
+    trust_incoming: bool = True,
 ) -> Tracing | NullTracing:
     """Tracing as ``OTEL_*`` configures it (see :class:`Tracing` for the rest), or
     :class:`NullTracing` (off: the default)."""
     traces = telemetry.traces("modelrelay", os.environ if env is None else env)
     if traces is None:
         return NullTracing()
-    return Tracing(traces, clock, keys)
+    return Tracing(traces, clock, keys, trust_incoming=trust_incoming)

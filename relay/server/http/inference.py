@@ -126,8 +126,8 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
     relay = rt.relay
     path = scope["path"]
     tracing = rt.tracing
-    # Continues the trace of the process the client reached.
-    trace = tracing.begin(scope["headers"], "placed", path)
+    # Continues the trace of the process the client reached, whatever OTEL_TRUST_INCOMING.
+    trace = tracing.begin(scope["headers"], "placed", path, peer=True)
     worker_id, _, lease = (header(scope, LEASE_HEADER_B) or b"").decode().partition(" ")
     try:
         lifetime = float(header(scope, LIFETIME_HEADER_B) or b"0")
