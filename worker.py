@@ -116,7 +116,8 @@ class Worker:
         self._runner: asyncio.Task[None] | None = None
         self._stop_requested = False
         self._discovery = asyncio.Lock()
-        #: Spans around backend calls when OTEL_* turns tracing on (SPEC §17).
+        #: Spans around backend calls when OTEL_* turns tracing on (SPEC §17); else a
+        #: null tracer whose hooks do nothing.
         self.tracing = tracing_from_environment()
         #: Set while the backend cannot be reached (what failed); None while it answers.
         self.backend_error: str | None = None
@@ -148,8 +149,7 @@ class Worker:
                         probe.cancel()
                         await asyncio.gather(probe, return_exceptions=True)
         finally:
-            if self.tracing is not None:  # export the spans still buffered
-                await asyncio.to_thread(self.tracing.shutdown)
+            await self.tracing.aclose()  # export the spans still buffered
         return self.exit_code
 
     def request_stop(self) -> None:

@@ -314,6 +314,12 @@ BATCH_RETENTION_DAYS = env_int("BATCH_RETENTION_DAYS", 30, minimum=1)
 WORKER_METRICS_MAX_BYTES = env_int("WORKER_METRICS_MAX_BYTES", 2 * MIB, minimum=1)
 WORKER_METRICS_MAX_SERIES = env_int("WORKER_METRICS_MAX_SERIES", 10_000, minimum=1)
 
+# OpenTelemetry traces (SPEC §17) are configured by the standard OTEL_* variables, read
+# by relay/wire/telemetry.py and the SDK. This one is ours: whether a client's
+# traceparent/tracestate is continued (true) or each request starts a new trace at the
+# edge (false: the client's context decides nothing and goes nowhere).
+OTEL_TRUST_INCOMING = env_bool("OTEL_TRUST_INCOMING", True)
+
 # --- Logging -----------------------------------------------------------------
 
 LOG_LEVEL = env_str("LOG_LEVEL", "info").upper()

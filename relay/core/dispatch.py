@@ -41,7 +41,7 @@ from relay.core.residency import Residency
 from relay.core.routes import NON_GENERATING
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
-from relay.core.tracer import RequestTracer
+from relay.core.tracer import NullTracer, RequestTracer
 from relay.core.upkeep import ModelUpkeep
 from relay.wire import protocol
 from relay.wire.errors import (
@@ -86,8 +86,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         self.reserved: dict[str, str] = {}
         #: Cluster mode (SPEC §11): where requests are placed; None in a single process.
         self.placement: Placement | None = None
-        #: Told of each traced request's dispatch and end; None while tracing is off.
-        self.tracer: RequestTracer | None = None
+        #: Told of each request's dispatch and end; a NullTracer while tracing is off.
+        self.tracer: RequestTracer = NullTracer()
         #: Cluster mode: provider -> models served by workers of other processes, and
         #: the part of them some worker has loaded (models on demand, SPEC §19).
         self.remote_models: dict[str, frozenset[str]] = {}
@@ -331,9 +331,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         self._arm(request, request.queue_deadline)
 
     def _assign(self, request: RelayRequest, worker: Worker, now: float) -> None:
-        headers = request.headers
-        if self.tracer is not None:
-            headers = self.tracer.dispatched(request, worker, now)
+        headers = self.tracer.dispatched(request, worker, now)
         if request.enqueued_at is not None:
             request.queue_wait += now - request.enqueued_at
             request.enqueued_at = None
@@ -464,8 +462,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         self.active -= 1
         if self.shutting_down and self.active <= 0:
             self._idle.set()
-        if self.tracer is not None:
-            self.tracer.finished(request)
+        self.tracer.finished(request)
         self._record(request, cancel_reason)
 
     def _record(self, request: RelayRequest, cancel_reason: str | None) -> None:

@@ -38,7 +38,7 @@ from relay.server.cluster.proxy import cluster_token
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
 from relay.server.metrics import RelayMetrics
-from relay.server.tracing import Tracing
+from relay.server.tracing import EdgeTracer
 from relay.server.tracing import from_environment as tracing_from_environment
 from relay.wire.errors import Flavor
 
@@ -143,8 +143,10 @@ class Runtime:
                 self.batches.observe,
             ]
         )
-        #: OpenTelemetry traces (SPEC §17): None unless OTEL_* turns them on.
-        self.tracing: Tracing | None = tracing_from_environment()
+        #: OpenTelemetry traces (SPEC §17): a NullTracing unless OTEL_* turns them on.
+        self.tracing: EdgeTracer = tracing_from_environment(
+            clock=loop.time, keys=self.keys, trust_incoming=settings.OTEL_TRUST_INCOMING
+        )
         self.relay.tracer = self.tracing
         #: The latest metrics sample of each worker connected here (SPEC §17).
         self.federation = Federation(
@@ -370,8 +372,7 @@ class Runtime:
         grace = max(0.0, grace - (self.loop.time() - started))
         await self.relay.shutdown(grace)
         await self.bookkeeper.flush()
-        if self.tracing is not None:
-            await asyncio.to_thread(self.tracing.shutdown)
+        await self.tracing.aclose()
         if self.sockets > 0:
             try:
                 async with asyncio.timeout(5):

@@ -48,7 +48,7 @@ from relay.worker import sampler
 from relay.worker.backend import Backend, BackendUnreached, Valve
 from relay.worker.config import Config
 from relay.worker.outbox import Outbox, encode
-from relay.worker.tracing import WorkerTracing
+from relay.worker.tracing import CallTracer
 from relay.worker.usage import format_counts
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
@@ -98,8 +98,8 @@ class Owner(Protocol):
     def backend(self) -> Backend: ...
 
     @property
-    def tracing(self) -> WorkerTracing | None:
-        """Traces of backend calls (SPEC §17); None while tracing is off."""
+    def tracing(self) -> CallTracer:
+        """Traces of backend calls (SPEC §17); a null one while tracing is off."""
         ...
 
     def advertised(self) -> list[str]:
@@ -387,7 +387,7 @@ class Session:
         )
         backend = self.worker.backend
         tracing = self.worker.tracing
-        span = None if tracing is None else tracing.start(request)
+        span = tracing.start(request)
         complete = None
         try:
             complete = await backend.exchange(request, self.outbox, valve)
@@ -411,8 +411,7 @@ class Session:
         except ConnectionClosed:
             pass  # the session is ending; the relay handles this request's fate
         finally:
-            if span is not None and tracing is not None:
-                tracing.end(span, complete)
+            tracing.end(span, complete)
 
     async def _hand_back(self, request: Request, exc: BackendUnreached) -> None:
         """The backend never took ``request``: give it back for the relay to requeue.
