@@ -47,6 +47,8 @@ class ClassedQueue:
         return self._size
 
     def depth_by_class(self) -> dict[str, int]:
+        """Queued requests by the class they count as now (aged ones in their new class)."""
+        self._age()
         return {name: len(queue) for name, queue in zip(CLASSES, self.classes, strict=True)}
 
     def push(self, request: RelayRequest) -> None:

@@ -194,11 +194,12 @@ AGING = 0.1
 AGED = dataclasses.replace(FAST, priority_aging=AGING)
 
 
-async def wait_past_aging(relay: Relay, since: float) -> None:
-    """Until a request queued at ``since`` counts one class higher (a few real ms past
+async def until_aged(relay: Relay) -> None:
+    """Until the one queued request, a flex one, counts as default (a few real ms past
     the shrunk bound)."""
+    queue = relay.providers["local"].queue
     async with asyncio.timeout(5):
-        while relay.loop.time() - since <= AGING:
+        while queue.depth_by_class() != {"priority": 0, "default": 1, "flex": 0}:
             await asyncio.sleep(AGING / 4)
 
 
@@ -207,7 +208,7 @@ async def test_a_flex_request_dispatched_after_aging_is_not_preempted_by_later_w
     worker, link = attach(relay)
     busy = submit(relay, "default")
     aged = submit(relay, "flex")
-    await wait_past_aging(relay, relay.loop.time())
+    await until_aged(relay)
     complete(relay, worker, busy.id)
     assert link.requests[-1].request_id == aged.id and aged.rank == classes.RANK["default"]
     # Work that arrived after it crossed the aging bound does not pass it: a default
@@ -227,7 +228,7 @@ async def test_the_slot_a_preemption_frees_goes_to_an_aged_request_which_keeps_i
     worker, link = attach(relay)
     victim = submit(relay, "flex")
     aged = submit(relay, "flex")
-    await wait_past_aging(relay, relay.loop.time())
+    await until_aged(relay)
     # A default request that arrives after the waiting flex one aged takes the slot of
     # the running flex one (it counts as flex), for the aged one: it was first.
     person = submit(relay, "default")

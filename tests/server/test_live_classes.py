@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.clusterkit import CHAT, cluster, knows, until, waiting
+from tests.clusterkit import AUTH, CHAT, cluster, knows, until, waiting
 from tests.live import LiveServer
 from tests.scriptedworker import ScriptedWorker
 
@@ -110,20 +110,21 @@ async def aged_flex_then_a_person(
     worker: ScriptedWorker,
     send: Any,
     at: tuple[LiveServer, LiveServer, LiveServer],
+    admin: dict[str, str],
 ) -> tuple[str, str]:
     """Two slots: a flex request G starts at once; a flex request F waits past the aging
     bound behind a default one, then starts (the last to start). A default request that
     arrives then takes G's slot: F counts as default now, it is never preempted, and each
     client gets one response. ``at``: where the default, the flex and the last requests
-    are sent (``send(server, class, tag)`` makes the call, ``tag`` in its body). Returns
-    the ids F and G had at the worker."""
+    are sent (``send(server, class, tag)`` makes the call, ``tag`` in its body); ``admin``
+    authenticates ``/admin/stats``. Returns the ids F and G had at the worker."""
     busy = send(at[0], "default", "x")
     x = await worker.next()
     fresh = send(at[1], "flex", "g")
     g = await worker.next()
     aged = send(at[1], "flex", "f")
     await until(lambda: _waiting(at[1], 1), what="the flex request to queue")
-    await asyncio.sleep(AGING * 1.5)  # (the shrunk aging bound; nothing else waits for it)
+    await until(lambda: _aged(at[1], admin), timeout=10, what="the flex request to age")
     await worker.answer(x)
     f = await worker.next()
     assert (await busy).status_code == 200
@@ -149,6 +150,13 @@ async def _waiting(server: LiveServer, count: int) -> bool:
     return await waiting(server) >= count
 
 
+async def _aged(server: LiveServer, admin: dict[str, str]) -> bool:
+    """Whether the one queued request counts as ``default`` now (it was ``flex``)."""
+    async with httpx.AsyncClient(base_url=server.url, timeout=5, headers=admin) as client:
+        queued = (await client.get("/admin/stats")).json()["queue_by_class"]
+    return queued == {"priority": 0, "default": 1, "flex": 0}
+
+
 async def _cancelled(worker: ScriptedWorker, ids: set[str]) -> set[str]:
     """Which of ``ids`` the worker was told to drop (empty while none)."""
     return {i for i in ids if i not in worker.holding}
@@ -170,7 +178,8 @@ async def test_a_flex_request_that_aged_before_it_started_is_never_preempted(ser
                 )
             )
 
-        aged, fresh = await aged_flex_then_a_person(worker, send, (server, server, server))
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        aged, fresh = await aged_flex_then_a_person(worker, send, (server, server, server), admin)
     assert await log_row(server, aged) == ("flex", 0)  # billed as what it asked for
     assert await log_row(server, fresh) == ("flex", 1)
 
@@ -261,4 +270,4 @@ async def test_across_processes_a_flex_request_that_aged_before_it_started_is_ne
                     )
                 )
 
-            await aged_flex_then_a_person(worker, send, (a, b, a))
+            await aged_flex_then_a_person(worker, send, (a, b, a), AUTH)
