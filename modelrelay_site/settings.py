@@ -159,8 +159,9 @@ PRIORITY_AGING_SECS = env_float("PRIORITY_AGING_SECS", 60.0)
 PRIORITY_MAX_PREEMPTIONS = env_int("PRIORITY_MAX_PREEMPTIONS", 3)
 # Cache-aware routing (SPEC §14, relay/core/affinity.py): the policy, the session header
 # that names a conversation, the block size of prompt hashing, what the index keeps
-# (blocks per worker, explicit keys), the bounded-load guard (factor and slack), and the
-# share of a prompt a prefix match must cover to decide.
+# (blocks per worker, explicit keys), the bounded-load guard (factor and slack), the
+# share of a prompt a prefix match must cover to decide, and whether API keys share
+# prefixes (off: each key is routed by its own alone, so no key learns of another's).
 ROUTING_POLICY = env_str("ROUTING_POLICY", "cache_aware")
 if ROUTING_POLICY not in ("cache_aware", "least_load"):
     raise ImproperlyConfigured(
@@ -174,6 +175,7 @@ AFFINITY_LOAD_FACTOR = env_float("AFFINITY_LOAD_FACTOR", 1.25)
 AFFINITY_LOAD_SLACK = env_int("AFFINITY_LOAD_SLACK", 4, minimum=0)
 AFFINITY_MIN_MATCH = env_float("AFFINITY_MIN_MATCH", 0.5)
 AFFINITY_TTL_SECS = env_float("AFFINITY_TTL_SECS", 3600.0)
+AFFINITY_SHARE_ACROSS_KEYS = env_bool("AFFINITY_SHARE_ACROSS_KEYS", False)
 if AFFINITY_LOAD_FACTOR < 1.0:
     raise ImproperlyConfigured("AFFINITY_LOAD_FACTOR must be at least 1")
 if not 0.0 <= AFFINITY_MIN_MATCH <= 1.0:

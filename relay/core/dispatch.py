@@ -160,7 +160,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         request.service_class = service_class
         request.rank = RANK[service_class]
         if self.router.enabled:
-            affinity = request.affinity = self.router.affinity(prompt, model, session)
+            affinity = request.affinity = self.router.affinity(prompt, model, session, key_id)
             if affinity is not None:
                 if self.placement is not None:
                     affinity.anchor()  # what the cluster places it by, computed once

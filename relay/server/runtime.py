@@ -86,6 +86,7 @@ def relay_config() -> RelayConfig:
             min_match=s.AFFINITY_MIN_MATCH,
             cluster_ttl=s.AFFINITY_TTL_SECS,
             session_header=s.AFFINITY_SESSION_HEADER,
+            share_across_keys=s.AFFINITY_SHARE_ACROSS_KEYS,
         ),
         non_generating_per_worker=s.NON_GENERATING_PER_WORKER,
         model_load_timeout=s.MODEL_LOAD_TIMEOUT_SECS,

@@ -10,9 +10,10 @@ that fits it waits, and no worker is ever reserved past its ``max_concurrent``.
 The shared queue keeps the order of :mod:`relay.core.classqueue` across processes: the
 highest priority class with a compatible request first (a request that waited the
 aging bound per class counting that many classes higher); within a class, requeued
-requests first, oldest arrival first; then the API keys take turns in one ring per
-provider and class (weighted round-robin, every request costs one credit of its key's
-turn), FIFO within a key among the requests the worker can serve.
+requests and those aged into it first, oldest arrival first (nothing that arrived after
+a request aged passes it); then the API keys take turns in one ring per provider and
+class (weighted round-robin, every request costs one credit of its key's turn), FIFO
+within a key among the requests the worker can serve.
 
 Keys (``P`` is REDIS_PREFIX):
 
