@@ -265,6 +265,11 @@ def _check_routes() -> None:
 
 _check_routes()
 MODEL_MEMORY_SECS = env_float("MODEL_MEMORY_SECS", 600.0, positive=False)
+# Models on demand (SPEC §19): the wait for a load, a second copy for a model whose queue
+# keeps waiting (0: never), unloading what sat idle (0: never).
+MODEL_LOAD_TIMEOUT_SECS = env_float("MODEL_LOAD_TIMEOUT_SECS", 300.0)
+MODEL_SCALE_OUT_WAIT_SECS = env_float("MODEL_SCALE_OUT_WAIT_SECS", 10.0, positive=False)
+MODEL_IDLE_UNLOAD_SECS = env_float("MODEL_IDLE_UNLOAD_SECS", 0.0, positive=False)
 DRAIN_TIMEOUT_SECS = env_float("DRAIN_TIMEOUT_SECS", 300.0)
 SHUTDOWN_GRACE_SECS = env_float("SHUTDOWN_GRACE_SECS", 30.0, positive=False)
 SYNC_SECS = env_float("SYNC_SECS", 1.0)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from relay.core.dispatch import Dispatcher
-from relay.core.registry import next_worker_id, sanitize_models
+from relay.core.registry import next_worker_id, routable, sanitize_models
 from relay.core.state import Completion, RelayRequest, Worker, WorkerLink
 from relay.wire import protocol
 from relay.wire.errors import SlowClient, StreamTooLarge, WorkerFailed
@@ -41,6 +41,8 @@ class Relay(Dispatcher):
         protocol_version: str | None = None,
         features: Iterable[str] = (),
         refuses: Callable[[RelayRequest], str | None] | None = None,
+        model_states: list[protocol.ModelState] | None = None,
+        model_capacity: int | None = None,
     ) -> tuple[Worker, list[str]]:
         """Register a worker and start routing to it; returns it and the warnings of its
         ``register_ack`` (:meth:`admit_worker` and :meth:`start_worker` in one step)."""
@@ -55,6 +57,8 @@ class Relay(Dispatcher):
             protocol_version=protocol_version,
             features=features,
             refuses=refuses,
+            model_states=model_states,
+            model_capacity=model_capacity,
         )
         self.start_worker(worker, ack)
         return worker, list(ack.warnings)
@@ -72,8 +76,13 @@ class Relay(Dispatcher):
         protocol_version: str | None = None,
         features: Iterable[str] = (),
         refuses: Callable[[RelayRequest], str | None] | None = None,
+        model_states: list[protocol.ModelState] | None = None,
+        model_capacity: int | None = None,
     ) -> tuple[Worker, protocol.RegisterAck]:
         """The worker a ``register`` describes, and the ``register_ack`` it is owed.
+
+        ``model_states`` and ``model_capacity``: its models' states (models on demand,
+        SPEC §19), taken when it announced the ``model_states`` extension.
 
         Nothing is routed to it and nothing is sent yet: in cluster mode the edge first
         makes the worker known to every process (so no process answers 404 for a model
@@ -103,8 +112,10 @@ class Relay(Dispatcher):
             features=frozenset(features) & frozenset(protocol.FEATURES),
             refuses=refuses,
         )
-        worker.model_set = frozenset(worker.models)
         worker.report_load(current_load)
+        if model_states is not None and protocol.MODEL_STATES in worker.features:
+            self.take_states(worker, model_states, model_capacity)
+        worker.model_set = routable(worker)
         ack = protocol.RegisterAck(
             worker_id=worker.id,
             models=list(worker.models),
@@ -131,6 +142,9 @@ class Relay(Dispatcher):
         )
         self._ensure_heartbeat()
         self._offer(worker)
+        if worker.states is not None:
+            self._ensure_residency()
+            self._reconcile()  # what waits for a model it holds gets it loaded
 
     def _acceptable(
         self, provider: str, models: list[str], cap: int
@@ -226,6 +240,7 @@ class Relay(Dispatcher):
             return
         request.worker = None
         worker.requests_served += 1
+        self._used(worker, request.model, self.loop.time())
         if not 200 <= message.status_code <= 599:
             # 1xx would let a worker write a second response onto the client's
             # connection (response splitting); only final statuses are relayed.
@@ -326,6 +341,12 @@ class Relay(Dispatcher):
         logger.info("worker %s models updated: %s", worker.name, ",".join(accepted) or "(none)")
         self._offer(worker)
         return warnings
+
+    def on_model_states(self, worker: Worker, message: protocol.ModelStates) -> None:
+        """Every model's state now (``model_states``, models on demand, SPEC §19)."""
+        if protocol.MODEL_STATES not in worker.features:
+            return
+        self.take_states(worker, message.states, message.model_capacity, message.max_concurrent)
 
     def _offer(self, worker: Worker) -> None:
         """A worker arrived or changed: let it take queued work (here, or anywhere)."""

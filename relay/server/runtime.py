@@ -89,6 +89,9 @@ def relay_config() -> RelayConfig:
             share_across_keys=s.AFFINITY_SHARE_ACROSS_KEYS,
         ),
         non_generating_per_worker=s.NON_GENERATING_PER_WORKER,
+        model_load_timeout=s.MODEL_LOAD_TIMEOUT_SECS,
+        model_scale_out_wait=s.MODEL_SCALE_OUT_WAIT_SECS,
+        model_idle_unload=s.MODEL_IDLE_UNLOAD_SECS,
     )
 
 

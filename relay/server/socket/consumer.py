@@ -30,6 +30,8 @@ from relay.wire.errors import ProtocolError, describe
 from relay.wire.protocol import (
     Error,
     MetricsSample,
+    ModelResult,
+    ModelStates,
     ModelsUpdate,
     Pong,
     Register,
@@ -273,6 +275,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 relay.on_worker_error(worker, msg)
             case MetricsSample():
                 self._metrics(worker, msg)
+            case ModelStates():
+                relay.on_model_states(worker, msg)
+            case ModelResult():
+                relay.on_model_result(worker, msg)
             case Register():
                 self._violation("duplicate register")
 
@@ -307,6 +313,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             peer=self.peer,
             protocol_version=version,
             features=msg.features,
+            model_states=msg.model_states,
+            model_capacity=msg.model_capacity,
         )
         worker.eviction = self._eviction
         worker.backend_error = msg.backend_error
