@@ -367,6 +367,7 @@ class Backend:
         rid = request.request_id
         scanner = UsageScanner()
         forwarder: _Forwarder | None = None
+        end: StreamEnd | None = None
         conn: BackendConnection | None = None
         try:
             # Every response is charged (relay/worker/usage.py): a chat/completions
@@ -455,9 +456,12 @@ class Backend:
                 outbox.unwatch(conn)
                 self.pool.release(conn)  # kept only when the exchange ended cleanly
         if forwarder is not None and forwarder.sent:
-            # The client already has part of the stream: end it with an error event.
+            # The client already has part of the stream: end it with an error event,
+            # after a blank line if the stream broke off inside one.
             err = WorkerFailed(f"The backend failed mid-stream: {problem}")
             chunk = error_event(err, flavor_of(request.endpoint_path)).decode()
+            if end is not None and not end.between_events:
+                chunk = "\n\n" + chunk
             outbox.post(chunk_frame(chunk_prefix(rid), chunk))
             return ResponseComplete(request_id=rid, status_code=502, token_counts=scanner.counts())
         return self.failure(request, problem)

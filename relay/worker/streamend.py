@@ -41,20 +41,32 @@ class StreamEnd:
         self._marker = marker
         #: True from the start for a stream whose end is not checked.
         self.reached = marker is None
-        self._tail = b"\n"
+        self._tail = b"\n\n"
 
     @staticmethod
     def checks(endpoint_path: str) -> bool:
         return endpoint_path in _LAST_EVENT
 
+    @property
+    def between_events(self) -> bool:
+        """Whether what was fed so far ends with a whole event (or nothing was fed):
+        an event written now reaches the client as an event of its own. Otherwise it
+        must follow a blank line, or the client would read it as part of the torn one
+        (llama-server's router ends a stream it cuts with a bare ``proxy error: …``)."""
+        return self._tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r"))
+
     def feed(self, data: bytes) -> None:
-        marker = self._marker
-        if self.reached or marker is None:
+        if not data:
             return
+        marker = self._marker
         # The read alone, then the seam with the one before (no copy of the whole read).
-        if marker.search(data) is not None or (
-            marker.search(self._tail + data[:_OVERLAP]) is not None
+        if (
+            not self.reached
+            and marker is not None
+            and (
+                marker.search(data) is not None
+                or marker.search(self._tail + data[:_OVERLAP]) is not None
+            )
         ):
             self.reached = True
-            return
         self._tail = data[-_OVERLAP:] if len(data) >= _OVERLAP else (self._tail + data)[-_OVERLAP:]

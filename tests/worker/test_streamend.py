@@ -45,6 +45,19 @@ def test_a_stream_without_its_last_event_does_not(path: str) -> None:
     assert not end.reached
 
 
+def test_it_knows_whether_the_stream_ended_between_events() -> None:
+    end = StreamEnd("/v1/audio/stream")  # whether or not its end is checked
+    assert end.between_events
+    end.feed(b"data: {}\n")
+    assert not end.between_events
+    end.feed(b"\n")
+    assert end.between_events
+    end.feed(b"proxy error: Failed to read connection")
+    assert not end.between_events
+    end.feed(b"\r\n\r\n")
+    assert end.between_events
+
+
 def test_other_endpoints_are_not_checked() -> None:
     assert StreamEnd("/v1/audio/speech").reached
     assert not StreamEnd.checks("/v1/embeddings") and StreamEnd.checks(CHAT)
@@ -65,10 +78,12 @@ async def test_checking_a_large_stream_costs_no_loop_stall() -> None:
 
 
 class ShortBackend:
-    """Answers every stream with all its events but the last, then a clean end."""
+    """Answers every stream with all its events but the last, then a clean end;
+    ``torn``: after a bare line that ends no event (as llama-server's router)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, torn: bool = False) -> None:
         self.path = path
+        self.torn = torn
         self.url = ""
         self._server: asyncio.Server | None = None
 
@@ -94,6 +109,8 @@ class ShortBackend:
         if self.path in (CHAT, "/v1/completions"):
             events = events[:-1]  # not the finish chunk either: cut mid-answer
         body = b"".join(events)
+        if self.torn:
+            body += b"proxy error: Failed to read connection"
         writer.write(
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
@@ -102,12 +119,13 @@ class ShortBackend:
         writer.close()
 
 
+@pytest.mark.parametrize("torn", [False, True])
 @pytest.mark.parametrize("path", PATHS)
 async def test_a_stream_the_backend_ends_short_ends_with_the_endpoints_error_event(
-    path: str,
+    path: str, torn: bool
 ) -> None:
     async with (
-        ShortBackend(path) as backend,
+        ShortBackend(path, torn) as backend,
         FakeRelay() as relay,
         running(config(relay.url, backend.url, "--models", "m", "--max-concurrent", "1")),
     ):
@@ -119,6 +137,9 @@ async def test_a_stream_the_backend_ends_short_ends_with_the_endpoints_error_eve
             m.chunk for m in side.received if isinstance(m, ResponseChunk) and m.request_id == "r-1"
         ]
         last = chunks[-1]
+        # An event of its own, whatever the stream broke off in.
+        assert last.startswith("\n\n") == torn
+        last = last.removeprefix("\n\n")
         if path == MESSAGES:
             assert last.startswith("event: error\n") and '"type":"error"' in last
         elif path == RESPONSES:
