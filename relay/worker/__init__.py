@@ -4,9 +4,11 @@
 relay), ``outbox`` (the frames it writes), ``backend`` (discovery and forwarding to
 the local inference server), ``pool`` (the keep-alive HTTP/1.1 connections requests
 are forwarded on), ``connection`` (one of them) with ``http1`` (their message syntax,
-read by llhttp), ``network`` (the discovery client's sockets) and ``usage`` (token
-counts read from backend responses). Shipped to GPU boxes, bundled into
-``/setup/worker.pyz``.
+read by llhttp), ``network`` (the discovery client's sockets), ``usage`` (token
+counts read from backend responses), ``streamend`` (whether a stream reached its last
+event), ``hosts`` (backends that load models on demand, one module per kind) and
+``tracker`` (their models' states, loads and unloads). Shipped to GPU boxes, bundled
+into ``/setup/worker.pyz``.
 
 May import: :mod:`relay.wire`, ``websockets``, ``httpx``, ``msgspec`` and
 ``httptools``; never

@@ -1,0 +1,432 @@
+"""The worker's view of its backend's models, kept current, and the loads and unloads
+the relay asks for (SPEC §19, the ``model_states`` extension).
+
+``worker.Worker`` holds one :class:`ModelTracker` for the life of the process, around the
+:class:`~relay.worker.hosts.host.ModelHost` recognised at start-up, and runs its
+:meth:`ModelTracker.run` (the backend's event stream where it has one, a poll of its
+states otherwise, and a poll behind the events anyway, since a stream can drop). Every
+:class:`relay.worker.session.Session` reports the states from it, and hands it each
+``model_load`` / ``model_unload``.
+
+Operations on one model run one at a time, in the order they came: a second one waits
+for the first, then usually finds nothing left to do (a load after a load answers ok
+at once). At most :data:`MAX_WAITING_OPS` may wait behind the running one; more are
+refused. An operation for a model the backend does not have is refused at once and
+nothing is kept for it. Every operation ends in exactly one ``model_result``, within
+``--model-op-timeout-secs``. Imports nothing from Django.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from itertools import islice
+from typing import Literal
+
+from relay.wire.errors import describe
+from relay.wire.protocol import (
+    LOADABLE,
+    LOADED,
+    LOADING,
+    MAX_MODEL_STATES,
+    ModelLoad,
+    ModelResult,
+    ModelState,
+    ModelStates,
+    ModelUnload,
+)
+from relay.worker.backend import BackendNotReady
+from relay.worker.config import Config
+from relay.worker.hosts.host import HostError, Model, ModelHost, Snapshot
+
+log = logging.getLogger("modelrelay.worker")
+
+#: Operations that may wait behind the one running on the same model.
+MAX_WAITING_OPS = 4
+#: Operations one connection may have under way at once (over all models).
+MAX_OPS_IN_FLIGHT = 64
+#: Changes logged one line per model; more at once are counted in one line.
+MAX_LOGGED_CHANGES = 20
+#: Delay before an event stream that failed is opened again, doubling up to the poll
+#: behind it.
+WATCH_RETRY_SECS = 0.5
+
+ModelOp = ModelLoad | ModelUnload
+
+
+class _Turns:
+    """The operations on one model: one runs, the others wait for the lock."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+class ModelTracker:
+    """Each model's state as the worker reports it, and the operations that change it.
+
+    ``on_change(snapshot, names_changed)`` is called after every change of what the
+    relay is told (a state, a model's slots, the capacity, the set of names);
+    ``on_unreachable(problem)`` when the backend refused a connection.
+    """
+
+    def __init__(
+        self,
+        host: ModelHost,
+        config: Config,
+        on_change: Callable[[Snapshot, bool], None],
+        on_unreachable: Callable[[str], None],
+    ) -> None:
+        self.host = host
+        self.config = config
+        self._on_change = on_change
+        self._on_unreachable = on_unreachable
+        #: What the backend said last.
+        self._raw = Snapshot({}, host.capacity)
+        #: What the relay is told: the backend's word, except that a model this worker
+        #: is loading shows ``loading`` while the backend does not say so itself.
+        self.snapshot = self._raw
+        #: Bumped at every change of ``snapshot`` (and by :meth:`touch`).
+        self.version = 0
+        self._version_changed = asyncio.Event()
+        #: Reads of the states begun, and how the last one failed (None: it did not).
+        self._reads = 0
+        self._failure: BackendNotReady | None = None
+        self._read_lock = asyncio.Lock()
+        #: Set (and replaced) at every answer of the backend, changed or not.
+        self._answered = asyncio.Event()
+        self._poked = asyncio.Event()
+        self._loading: set[str] = set()
+        self._truncated = False
+        self._seen = False
+        self._turns: dict[str, _Turns] = {}
+        self._interval = config.model_refresh_secs if host.has_events else config.model_poll_secs
+
+    @property
+    def on_demand(self) -> bool:
+        return self.host.on_demand
+
+    # -- what the relay is told --------------------------------------------------------
+
+    def frame(self) -> ModelStates:
+        """The whole list now, as one ``model_states`` frame."""
+        return ModelStates(states=self.states(), model_capacity=self.snapshot.capacity)
+
+    def states(self) -> list[ModelState]:
+        return [
+            ModelState(model=n, state=m.state, slots=m.slots)
+            for n, m in self.snapshot.models.items()
+        ]
+
+    def names(self) -> list[str]:
+        return list(self.snapshot.models)
+
+    def loaded_slots(self) -> int:
+        """The slots of the models in memory, where the backend tells them (else 0)."""
+        return sum(m.slots or 0 for m in self.snapshot.models.values() if m.state == LOADED)
+
+    async def changed(self, since: int) -> None:
+        """Return once :attr:`version` passed ``since``."""
+        while self.version <= since:
+            await self._version_changed.wait()
+
+    def touch(self) -> None:
+        """Have every connection send the whole list again (the backend is back)."""
+        self._bump()
+
+    def poke(self) -> None:
+        """Something changed at the backend: read the states again soon."""
+        self._poked.set()
+
+    # -- reading the backend -----------------------------------------------------------
+
+    async def refresh(self) -> Snapshot:
+        """Read the states now, or share a read that began after this call.
+
+        Raises :class:`BackendNotReady` when the backend did not answer.
+        """
+        asked = self._reads
+        async with self._read_lock:
+            if self._reads > asked:  # one began after this call, and has ended
+                if self._failure is not None:
+                    raise BackendNotReady(str(self._failure), unreachable=self._failure.unreachable)
+                return self.snapshot
+            self._reads += 1
+            try:
+                raw = await self.host.states()
+            except BackendNotReady as exc:
+                self._failure = exc
+                raise
+            self._failure = None
+            self._apply(raw)
+            return self.snapshot
+
+    def _apply(self, raw: Snapshot) -> None:
+        if len(raw.models) > MAX_MODEL_STATES:
+            log.log(
+                logging.DEBUG if self._truncated else logging.WARNING,
+                "the backend lists %d models; reporting the first %d",
+                len(raw.models),
+                MAX_MODEL_STATES,
+            )
+            self._truncated = True
+            raw = Snapshot(dict(islice(raw.models.items(), MAX_MODEL_STATES)), raw.capacity)
+        self._raw = raw
+        models = dict(raw.models)
+        for name in self._loading:
+            if name in models and models[name].state == LOADABLE:
+                models[name] = Model(LOADING)
+        view = Snapshot(models, raw.capacity)
+        before, self.snapshot = self.snapshot, view
+        self._answered.set()
+        self._answered = asyncio.Event()
+        if view == before:
+            return
+        first, self._seen = not self._seen, True
+        if not first:  # the first list is the worker's start-up line
+            _log_changes(before, view)
+        self._bump()
+        self._on_change(view, not first and list(view.models) != list(before.models))
+
+    def _bump(self) -> None:
+        self.version += 1
+        self._version_changed.set()
+        self._version_changed = asyncio.Event()
+
+    # -- keeping it current --------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep the states current until cancelled (the worker owns this task).
+
+        Reads them again at each notice of the backend's event stream, and every
+        ``--model-refresh-secs`` behind it; every ``--model-poll-secs`` for a backend
+        without one. A read that fails is tried again at the next turn; a backend that
+        refuses connections is reported (the worker withdraws its models meanwhile).
+        """
+        watcher = (
+            asyncio.create_task(self._watch(), name="model events")
+            if self.host.has_events
+            else None
+        )
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self._interval):
+                        await self._poked.wait()
+                except TimeoutError:
+                    pass
+                self._poked.clear()
+                await self._read_quietly()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.wait([watcher])
+
+    async def _read_quietly(self) -> None:
+        try:
+            await self.refresh()
+        except BackendNotReady as exc:
+            if exc.unreachable:
+                self._on_unreachable(str(exc))
+            else:
+                log.debug("reading the model states failed (%s); trying again", exc)
+        except Exception:  # a bug must not stop the states from being kept
+            log.exception("reading the model states failed unexpectedly")
+
+    async def _watch(self) -> None:
+        """Follow the backend's event stream; fall back to polling if it has none."""
+        delay = WATCH_RETRY_SECS
+        while True:
+            try:
+                ongoing = await self.host.watch(self.poke, self.config.model_refresh_secs)
+            except BackendNotReady as exc:
+                log.debug("the backend's model events: %s; opening them again in %gs", exc, delay)
+            except Exception:
+                log.exception("following the backend's model events failed unexpectedly")
+            else:
+                if not ongoing:
+                    log.info("the backend has no model event stream: polling its model states")
+                    self._interval = self.config.model_poll_secs
+                    self.poke()
+                    return
+                delay = WATCH_RETRY_SECS
+                self.poke()
+                continue
+            self.poke()
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.config.model_refresh_secs)
+
+    # -- operations ----------------------------------------------------------------------
+
+    def refusal(self, op: ModelOp, in_flight: int) -> ModelResult | None:
+        """The answer to ``op`` when it cannot run at all (None: it may run).
+
+        Called by the session for each ``model_load`` / ``model_unload`` before it
+        starts a task: nothing is kept for an op refused here.
+        """
+        kind = _kind(op)
+        if not self.on_demand:
+            problem = "this backend does not load or unload models on demand"
+        elif op.model not in self.snapshot.models:
+            problem = "the backend has no such model"
+        elif in_flight >= MAX_OPS_IN_FLIGHT:
+            problem = f"more than {MAX_OPS_IN_FLIGHT} model operations under way"
+        else:
+            return None
+        log.warning("refused to %s model %s (op %s): %s", kind, op.model[:200], op.op_id, problem)
+        state = self._state(op.model) if op.model in self.snapshot.models else ""
+        return ModelResult(
+            op_id=op.op_id,
+            model=op.model,
+            op=kind,
+            ok=False,
+            state=state,
+            error=problem,
+            duration_ms=0,
+        )
+
+    async def operate(self, op: ModelOp) -> ModelResult:
+        """Run one load or unload to its end; the one ``model_result`` that answers it.
+
+        Waits behind an operation on the same model already under way. Never raises
+        but for cancellation (the connection ended).
+        """
+        kind, model = _kind(op), op.model
+        started = time.monotonic()
+        problem: str | None = None
+        turns = self._turns.get(model)
+        if turns is None:
+            turns = self._turns[model] = _Turns()
+        try:
+            turns.users += 1
+            if turns.users > MAX_WAITING_OPS + 1:
+                problem = f"{MAX_WAITING_OPS} operations on this model are already waiting"
+            else:
+                timeout = self.config.model_op_timeout_secs
+                try:
+                    async with asyncio.timeout(timeout):
+                        async with turns.lock:
+                            if isinstance(op, ModelLoad):
+                                await self._load(model)
+                            else:
+                                await self._unload(model)
+                except TimeoutError:
+                    problem = f"not done after {timeout:g}s (MODEL_OP_TIMEOUT_SECS)"
+                except (HostError, BackendNotReady) as exc:
+                    problem = str(exc)
+                except Exception as exc:  # a bug must still answer the relay
+                    log.exception("%s of model %s failed unexpectedly", kind, model)
+                    problem = describe(exc)
+        finally:
+            turns.users -= 1
+            if not turns.users and self._turns.get(model) is turns:
+                del self._turns[model]
+        elapsed = time.monotonic() - started
+        state = self._state(model)
+        if problem is None:
+            log.info(
+                "%s model %s in %.2fs (op %s; now %s)", _done(kind), model, elapsed, op.op_id, state
+            )
+        else:
+            log.warning(
+                "could not %s model %s after %.2fs (op %s; now %s): %s",
+                kind,
+                model,
+                elapsed,
+                op.op_id,
+                state or "gone",
+                problem,
+            )
+        return ModelResult(
+            op_id=op.op_id,
+            model=model,
+            op=kind,
+            ok=problem is None,
+            state=state,
+            error=None if problem is None else problem[:1000],
+            duration_ms=round(elapsed * 1000),
+        )
+
+    async def _load(self, model: str) -> None:
+        await self.refresh()
+        state = self._backend_state(model)
+        if state == LOADED:
+            return
+        self._loading.add(model)
+        try:
+            if state != LOADING:
+                self._apply(self._raw)  # the relay hears "loading" at once
+                await self.host.load(model)
+                await self.refresh()
+            state = await self._settle(model, lambda s: s != LOADING)
+        finally:
+            self._loading.discard(model)
+            self._apply(self._raw)
+        if state != LOADED:
+            found = self._raw.models.get(model)
+            why = found.problem if found is not None and found.problem else None
+            raise HostError(why or f"the backend did not load it (its state: {state or 'gone'})")
+
+    async def _unload(self, model: str) -> None:
+        await self.refresh()
+        if self._backend_state(model) not in (LOADED, LOADING):
+            return  # nothing in memory
+        await self.host.unload(model)
+        await self.refresh()
+        state = await self._settle(model, lambda s: s not in (LOADED, LOADING))
+        if state and state != self.host.freed_state(model):
+            log.debug("model %s is %s after its unload", model, state)
+
+    async def _settle(self, model: str, done: Callable[[str], bool]) -> str:
+        """Wait until the backend's state of ``model`` satisfies ``done``; that state.
+
+        Woken by every read of the states (the event stream's, the poll's), and reads
+        them itself every ``--model-poll-secs`` meanwhile.
+        """
+        while True:
+            state = self._backend_state(model)
+            if done(state):
+                return state
+            answered = self._answered
+            try:
+                async with asyncio.timeout(self.config.model_poll_secs):
+                    await answered.wait()
+            except TimeoutError:
+                await self.refresh()
+
+    def _backend_state(self, model: str) -> str:
+        found = self._raw.models.get(model)
+        return "" if found is None else found.state
+
+    def _state(self, model: str) -> str:
+        found = self.snapshot.models.get(model)
+        return "" if found is None else found.state
+
+
+def _log_changes(before: Snapshot, after: Snapshot) -> None:
+    """One line per model whose state changed (a count past :data:`MAX_LOGGED_CHANGES`)."""
+    changed = [
+        (name, model.state, before.models[name].state if name in before.models else None)
+        for name, model in after.models.items()
+        if name not in before.models or before.models[name].state != model.state
+    ]
+    gone = [name for name in before.models if name not in after.models]
+    if len(changed) + len(gone) > MAX_LOGGED_CHANGES:
+        log.info("%d models changed state, %d left the backend", len(changed), len(gone))
+        return
+    for name, state, old in changed:
+        log.info("model %s: %s", name, state if old is None else f"{old} -> {state}")
+    for name in gone:
+        log.info("model %s: no longer on the backend", name)
+
+
+def _kind(op: ModelOp) -> Literal["load", "unload"]:
+    return "load" if isinstance(op, ModelLoad) else "unload"
+
+
+def _done(kind: str) -> str:
+    return "loaded" if kind == "load" else "unloaded"
