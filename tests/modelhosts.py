@@ -147,6 +147,11 @@ class FakeLlamaRouter(FakeModelHost):
             if self.states.get(model) != "loaded":
                 return 400, _error("model is not loaded")
             return 200, {"total_slots": self.slots, "model_alias": model}
+        if rec.method == "GET" and rec.path == "/slots":
+            model = parse_qs(rec.query).get("model", [""])[0]
+            if self.states.get(model) == "sleeping":
+                self.set_state(model, "loaded")  # any call that needs the model wakes it
+            return 200, [{"id": i, "is_processing": False} for i in range(self.slots)]
         if rec.method == "GET" and rec.path == "/models/sse":
             if not self.events:
                 return 404, _error("File Not Found", 404)

@@ -31,6 +31,7 @@ from relay.wire.protocol import (
     LOADED,
     LOADING,
     MAX_MODEL_STATES,
+    SLEEPING,
     ModelLoad,
     ModelResult,
     ModelState,
@@ -360,9 +361,9 @@ class ModelTracker:
         try:
             if state != LOADING:
                 self._apply(self._raw)  # the relay hears "loading" at once
-                await self.host.load(model)
+                await self.host.load(model)  # a sleeping model is woken
                 await self.refresh()
-            state = await self._settle(model, lambda s: s != LOADING)
+            state = await self._settle(model, lambda s: s not in (LOADING, SLEEPING))
         finally:
             self._loading.discard(model)
             self._apply(self._raw)
@@ -373,13 +374,18 @@ class ModelTracker:
 
     async def _unload(self, model: str) -> None:
         await self.refresh()
-        if self._backend_state(model) not in (LOADED, LOADING):
-            return  # nothing in memory
+        freed = self.host.freed_state(model)
+
+        def done(state: str) -> bool:
+            # A sleeping model still holds memory where sleep is not what frees it
+            # (llama-server's router counts it against --models-max).
+            return state == freed or state not in (LOADED, LOADING, SLEEPING)
+
+        if done(self._backend_state(model)):
+            return
         await self.host.unload(model)
         await self.refresh()
-        state = await self._settle(model, lambda s: s not in (LOADED, LOADING))
-        if state and state != self.host.freed_state(model):
-            log.debug("model %s is %s after its unload", model, state)
+        await self._settle(model, done)
 
     async def _settle(self, model: str, done: Callable[[str], bool]) -> str:
         """Wait until the backend's state of ``model`` satisfies ``done``; that state.

@@ -178,6 +178,19 @@ async def test_a_stream_the_real_router_cuts_ends_with_the_error_event(tmp_path:
         await states_where(side, lambda s: s["alpha"] == "loadable", 30)
 
 
+async def test_a_model_the_real_router_put_to_sleep_is_woken_by_a_load(tmp_path: Path) -> None:
+    router = llama_router(tmp_path, "--sleep-idle-seconds", "1")
+    async with router as backend, serving(backend.url, *SLOW) as (_, side):
+        await load(side, "beta", "op-1")
+        assert (await result(side, "op-1", timeout=60)).ok
+        await states_where(side, lambda s: s["beta"] == "sleeping", 30)  # idle for 1 s
+        await load(side, "beta", "op-2")
+        woke = await result(side, "op-2", timeout=60)
+        assert (woke.ok, woke.state) == (True, "loaded"), woke.error
+        await unload(side, "beta", "op-3")
+        assert (await result(side, "op-3", timeout=60)).state == "loadable"
+
+
 async def test_a_model_the_real_router_cannot_load_is_answered_with_the_exit_code(
     tmp_path: Path,
 ) -> None:

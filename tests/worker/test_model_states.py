@@ -32,9 +32,11 @@ from relay.wire.protocol import (
     ResponseChunk,
     ResponseComplete,
 )
+from relay.worker.backend import BackendNotReady
+from relay.worker.hosts.host import MAX_ANSWER_BYTES, call
 from relay.worker.outbox import encode
 from relay.worker.session import MODEL_STATES_INTERVAL_SECS
-from relay.worker.tracker import MAX_WAITING_OPS
+from relay.worker.tracker import MAX_OPS_IN_FLIGHT, MAX_WAITING_OPS
 from tests.modelhosts import FakeLlamaRouter, FakeLlamaSwap, FakeOllama, FakeVllm
 from tests.stall import STALL_BUDGET_MS, LoopStalls
 from tests.upstream import FakeUpstream
@@ -224,6 +226,21 @@ async def test_ops_past_the_waiting_bound_of_one_model_are_refused_at_once() -> 
         assert all([(await result(side, f"op-{i}")).ok for i in range(count - 1)])
 
 
+async def test_ops_past_the_bound_of_one_connection_are_refused_at_once() -> None:
+    names = [f"m{i}" for i in range(20)]
+    async with FakeOllama(dict.fromkeys(names, "loadable")) as up, serving(up.url) as (_, side):
+        up.gate.clear()
+        for i in range(MAX_OPS_IN_FLIGHT):
+            await load(side, names[i % len(names)], f"op-{i}")
+        await load(side, names[0], "op-over")
+        refused = await result(side, "op-over")
+        assert not refused.ok and f"more than {MAX_OPS_IN_FLIGHT}" in (refused.error or "")
+        up.gate.set()
+        answers = [await result(side, f"op-{i}") for i in range(MAX_OPS_IN_FLIGHT)]
+        assert all(a.ok for a in answers)
+        assert sorted(model for _, model in up.ops) == sorted(names)  # one load each
+
+
 async def test_a_burst_of_changes_goes_out_coalesced_and_always_whole() -> None:
     names = [f"m{i}" for i in range(12)]
     async with FakeOllama(dict.fromkeys(names, "loadable")) as up, serving(up.url) as (_, side):
@@ -403,6 +420,21 @@ async def test_a_router_load_evicts_and_is_answered_once_the_model_is_in_memory(
         assert up.requests_to("/models/load")[0].json() == {"model": "b"}
 
 
+async def test_a_sleeping_router_model_is_woken_by_a_load_and_freed_by_an_unload() -> None:
+    router = FakeLlamaRouter({"a": "sleeping", "b": "sleeping"})
+    async with router as up, serving(up.url) as (_, side):
+        assert states(side.register) == {"a": "sleeping", "b": "sleeping"}
+        await load(side, "a", "op-1")
+        woke = await result(side, "op-1")
+        assert (woke.ok, woke.state) == (True, "loaded")
+        assert up.requests_to("/slots")[0].query == "model=a&autoload=false"
+        # Asleep, b still counts against --models-max: its unload frees it.
+        await unload(side, "b", "op-2")
+        freed = await result(side, "op-2")
+        assert (freed.ok, freed.state) == (True, "loadable")
+        assert up.ops == [("unload", "b")]
+
+
 async def test_a_router_load_whose_child_exits_is_answered_with_the_exit_code() -> None:
     async with FakeLlamaRouter({"a": "unloaded"}) as up, serving(up.url) as (_, side):
         up.failing["a"] = "boom"
@@ -448,6 +480,32 @@ async def test_the_most_models_a_list_may_hold_cost_no_loop_stall(count: int) ->
             frame = encode(instance.tracker.frame())
         assert stalls.longest_ms < STALL_BUDGET_MS, stalls.longest_ms
         assert len(frame) < instance.config.max_message_bytes
+
+
+@pytest.mark.parametrize("size", [MAX_ANSWER_BYTES, MAX_ANSWER_BYTES + 1])
+async def test_a_state_answer_is_read_up_to_its_bound(size: int) -> None:
+    padding = b'{"models":[],"pad":"' + b"x" * (size - 22) + b'"}'
+    assert len(padding) == size
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size + padding)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/api/ps"
+    try:
+        async with httpx.AsyncClient() as client:
+            if size <= MAX_ANSWER_BYTES:
+                status, document = await call(client, "GET", url, secs=5)
+                assert status == 200 and document["models"] == []
+            else:
+                with pytest.raises(BackendNotReady, match="larger than"):
+                    await call(client, "GET", url, secs=5)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_stream_that_ends_cleanly_but_short_is_a_failure_on_any_backend() -> None:

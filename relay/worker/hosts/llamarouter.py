@@ -14,13 +14,18 @@ What the worker reads and calls (llama.cpp ``tools/server/server-models.cpp``):
 - ``POST /models/load`` / ``POST /models/unload`` with ``{"model": NAME}``: ``{"success":
   true}`` once the child is started (state ``loading``; a full router first unloads its
   least recently used model) or asked to exit; 400 "model is already running" / "model
-  is not running" when there is nothing to do;
+  is not running" when there is nothing to do. A child that does not exit within the
+  preset's ``stop-timeout`` (10 s) is killed: a stream it was writing ends cleanly after
+  a bare ``proxy error: …`` line (see :mod:`relay.worker.streamend`);
+- ``GET /slots?model=NAME&autoload=false`` wakes a model its server put to sleep
+  (``--sleep-idle-seconds``; state ``sleeping``): a load of a sleeping model asks it;
 - ``GET /models/sse``: ``data: {"model", "event", "data"}`` per change (status changes,
   list reloads); any event makes the tracker read ``GET /models`` again.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
@@ -116,20 +121,31 @@ class LlamaRouter(ModelHost):
         return slots if type(slots) is int and slots >= 1 else None
 
     async def load(self, model: str) -> None:
-        await self._order("/models/load", model, done="model is already running")
+        if not await self._order("/models/load", model, done="model is already running"):
+            await self._wake(model)
+
+    async def _wake(self, model: str) -> None:
+        """Wake a model its server put to sleep (``--sleep-idle-seconds``): any call to
+        it that needs the model does, and ``GET /slots`` needs nothing else (never a
+        load: ``autoload=false``). Whatever it answers, the tracker waits for the state."""
+        path = f"/slots?model={quote(model, safe='')}&autoload=false"
+        with contextlib.suppress(BackendNotReady):
+            await call(self.http, "GET", self.url(path), secs=self.op_timeout)
 
     async def unload(self, model: str) -> None:
         await self._order("/models/unload", model, done="model is not running")
 
-    async def _order(self, path: str, model: str, done: str) -> None:
+    async def _order(self, path: str, model: str, done: str) -> bool:
+        """POST ``path`` for ``model``: True when the router took the order, False when
+        it had nothing to do (``done``: under way or done already)."""
         status, answer = await call(
             self.http, "POST", self.url(path), secs=self.op_timeout, body={"model": model}
         )
         if status == 200:
-            return
+            return True
         why = reason(answer, f"HTTP {status}")
         if status == 400 and why == done:
-            return  # under way or done already: the tracker waits for the state
+            return False
         raise HostError(f"POST {path}: {why}")
 
     async def watch(self, changed: Callable[[], None], idle: float) -> bool:
