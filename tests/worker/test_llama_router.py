@@ -12,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from relay.wire.protocol import ResponseChunk
+from tests.live import LiveServer
+from tests.test_e2e import JSON, poll, routable, running_worker
 from tests.upstream import unused_port
 from tests.worker.test_model_states import load, result, serving, states, states_where, unload
 from tests.worker.test_worker import CHAT, ROOT
@@ -56,11 +59,10 @@ class Router:
         return {m["id"]: m["status"]["value"] for m in listing["data"]}
 
 
-@contextlib.asynccontextmanager
-async def llama_router(
-    tmp_path: Path, *flags: str, broken: str | None = None
-) -> AsyncIterator[Router]:
-    """A router over copies of the tiny model (and ``broken``, a file that is no model)."""
+def router_argv(tmp_path: Path, port: int, *flags: str, broken: str | None = None) -> list[str]:
+    """The command of a router over copies of the tiny model (and ``broken``, a file that
+    is no model), with its models' servers killed one second after they were asked to
+    stop."""
     models = tmp_path / "models"
     models.mkdir()
     for name in MODELS:
@@ -69,17 +71,30 @@ async def llama_router(
         (models / f"{broken}.gguf").write_bytes(b"GGUF" + b"\0" * 64)
     preset = tmp_path / "preset.ini"
     preset.write_text("[*]\nstop-timeout = 1\n")
+    return [
+        str(BINARY),
+        "--models-dir", str(models), "--models-preset", str(preset), "--models-max", "1",
+        "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+        "--parallel", str(SLOTS), "--ctx-size", "4096", "--no-webui", *flags,
+    ]  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def llama_router(
+    tmp_path: Path, *flags: str, broken: str | None = None
+) -> AsyncIterator[Router]:
+    """A router started in this loop; stopped (its models' servers with it) at the end."""
     port = unused_port()
     log = tmp_path / "router.log"
+    argv = router_argv(tmp_path, port, *flags, broken=broken)
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
-            str(BINARY),
-            "--models-dir", str(models), "--models-preset", str(preset), "--models-max", "1",
-            "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
-            "--parallel", str(SLOTS), "--ctx-size", "4096", "--no-webui", *flags,
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # its model servers are in its group, ended with it
-        )  # fmt: skip
+        )
     router = Router(process, f"http://127.0.0.1:{port}", log)
     try:
         async with asyncio.timeout(30), httpx.AsyncClient(timeout=5) as client:
@@ -100,6 +115,40 @@ async def llama_router(
             except TimeoutError:
                 os.killpg(process.pid, signal.SIGKILL)
                 await process.wait()
+
+
+@contextlib.contextmanager
+def router_process(tmp_path: Path, *flags: str) -> Iterator[str]:
+    """:func:`llama_router` for synchronous tests: its URL."""
+    port = unused_port()
+    log = tmp_path / "router.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            router_argv(tmp_path, port, *flags),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        assert process.poll() is None, f"llama-server exited:\n{log.read_text()[-3000:]}"
+        try:
+            return httpx.get(url + "/models", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        poll(ready, timeout=30, what="llama-server to answer")
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 async def test_the_real_router_reports_its_models_and_loads_and_unloads_them(
@@ -201,3 +250,48 @@ async def test_a_model_the_real_router_cannot_load_is_answered_with_the_exit_cod
         answer = await result(side, "op-1", timeout=60)
         assert not answer.ok and answer.state == "loadable"
         assert "exited with code" in (answer.error or ""), answer.error
+
+
+def requests_by_outcome(server: LiveServer, model: str) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    counts = {}
+    for labels, value in re.findall(r"^modelrelay_requests_total\{([^}]*)\} (\S+)$", text, re.M):
+        parsed = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if parsed.get("model") == model:
+            counts[parsed["outcome"]] = float(value)
+    return counts
+
+
+@pytest.mark.live
+def test_a_client_whose_model_an_operator_unloads_mid_stream_gets_the_error_event(
+    tmp_path: Path, relay_server: LiveServer
+) -> None:
+    with (
+        router_process(tmp_path) as url,
+        running_worker(relay_server, url, "--model-poll-secs", "0.05"),
+        httpx.Client(base_url=relay_server.url, timeout=30, headers=JSON) as client,
+    ):
+        poll(lambda: routable(relay_server, "alpha"), what="the worker to register")
+        long = {
+            "model": "alpha",
+            "stream": True,
+            "max_tokens": 100_000,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        with client.stream("POST", CHAT, json=long) as streamed:
+            assert streamed.status_code == 200
+            reads = streamed.iter_raw()
+            received = next(reads)  # the router loaded alpha for it
+            assert httpx.post(url + "/models/unload", json={"model": "alpha"}).status_code == 200
+            received += b"".join(reads)
+        text = received.decode(errors="replace")
+        assert "[DONE]" not in text
+        *_, error, rest = text.split("\n\n")
+        assert rest == "" and error.startswith('data: {"error":'), text[-500:]
+        assert "ended the stream before its last event" in error
+        # Recorded as failed, not as a whole answer.
+        poll(
+            lambda: requests_by_outcome(relay_server, "alpha") == {"upstream_error": 1.0},
+            what="the failed request in /metrics",
+        )
