@@ -185,9 +185,9 @@ class ModelTracker:
         before, self.snapshot = self.snapshot, view
         self._answered.set()
         self._answered = asyncio.Event()
+        first, self._seen = not self._seen, True
         if view == before:
             return
-        first, self._seen = not self._seen, True
         if not first:  # the first list is the worker's start-up line
             _log_changes(before, view)
         self._bump()

@@ -25,6 +25,7 @@ from relay.wire.protocol import (
     MODEL_STATES,
     ModelLoad,
     ModelResult,
+    ModelsRefresh,
     ModelStates,
     ModelsUpdate,
     ModelUnload,
@@ -273,6 +274,29 @@ async def test_a_backend_that_refuses_connections_withdraws_then_resends_its_sta
         await up.close()
 
 
+async def test_a_relay_without_the_extension_hears_model_names_as_before() -> None:
+    async with (
+        FakeOllama({"a": "loaded", "b": "loadable"}) as up,
+        FakeRelay(features=[]) as relay,  # acks no extension
+    ):
+        cfg = config(relay.url, up.url, *QUICK)
+        task = asyncio.create_task(worker.Worker(cfg).run())
+        try:
+            side = await relay.registered()
+            assert side.register is not None and side.register.models == ["a", "b"]
+            up.set_state("b", "loaded")
+            up.states["c"] = "loadable"  # a model pulled meanwhile
+            update = await side.wait_for(ModelsUpdate)
+            assert update.models == ["a", "b", "c"]
+            await side.send(ModelsRefresh(reason="test"))
+            assert (await side.wait_for(ModelsUpdate)).models == ["a", "b", "c"]
+            await side.ping(1)
+            assert not [m for m in side.received if isinstance(m, ModelStates)]
+        finally:
+            task.cancel()
+            await asyncio.wait([task])
+
+
 # --------------------------------------------------------------------------- llama-swap
 
 
@@ -399,6 +423,17 @@ async def test_router_states_and_slots_follow_its_events_without_polling() -> No
         up.set_state("a", "unloaded")  # an operator unloaded it
         frame = await states_where(side, lambda s: s.get("a") == "loadable", timeout=3)
         assert frame.max_concurrent == 3
+
+
+async def test_a_router_with_no_model_yet_is_recognised_and_its_new_models_reported() -> None:
+    async with FakeLlamaRouter({}, models_max=2) as up, serving(up.url) as (_, side):
+        assert side.register is not None
+        assert side.register.model_states == [] and side.register.model_capacity == 2
+        up.states["fresh"] = "unloaded"  # a file dropped into --models-dir, then a reload
+        up.notify("*", "models_reload")
+        update = await side.wait_for(ModelsUpdate, timeout=3)
+        assert update.models == ["fresh"]
+        await states_where(side, lambda s: s == {"fresh": "loadable"}, timeout=3)
 
 
 async def test_a_router_without_an_event_stream_is_polled() -> None:

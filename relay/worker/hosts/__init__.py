@@ -18,7 +18,12 @@ import httpx
 from relay.worker.backend import BackendNotReady
 from relay.worker.config import Config
 from relay.worker.hosts.host import ModelHost, call
-from relay.worker.hosts.llamarouter import LlamaRouter, is_router, router_capacity
+from relay.worker.hosts.llamarouter import (
+    LlamaRouter,
+    is_router,
+    is_router_props,
+    router_capacity,
+)
 from relay.worker.hosts.llamaswap import LlamaSwap, is_llamaswap
 from relay.worker.hosts.ollama import Ollama, is_ollama
 from relay.worker.hosts.vllm import Vllm, is_vllm, sleeping
@@ -54,6 +59,10 @@ async def recognise(http: httpx.AsyncClient, config: Config) -> ModelHost:
     listing = await ask("/v1/models")
     if is_router(listing):
         return LlamaRouter(http, config, router_capacity(await ask("/props")))
+    if isinstance(listing, dict) and listing.get("data") == []:
+        props = await ask("/props")  # a router with no model yet says so only here
+        if is_router_props(props):
+            return LlamaRouter(http, config, router_capacity(props))
     if is_llamaswap(listing) and await ask("/running") is not None:
         return LlamaSwap(http, config)
     if is_vllm(listing):

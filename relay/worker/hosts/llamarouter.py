@@ -61,9 +61,14 @@ def is_router(listing: Any) -> bool:
     )
 
 
+def is_router_props(props: Any) -> bool:
+    """Whether a ``GET /props`` answer is a llama-server router's."""
+    return isinstance(props, dict) and props.get("role") == "router"
+
+
 def router_capacity(props: Any) -> int | None:
     """``max_instances`` from the router's ``GET /props`` (None: no bound, or not told)."""
-    if not isinstance(props, dict) or props.get("role") != "router":
+    if not is_router_props(props):
         return None
     value = props.get("max_instances")
     return value if type(value) is int and value > 0 else None
