@@ -79,6 +79,7 @@ from relay.worker.backend import Backend, BackendNotReady
 from relay.worker.config import Config, parse_config
 from relay.worker.hosts import ModelHost, recognise
 from relay.worker.hosts.host import Snapshot
+from relay.worker.operations import ModelOperations
 from relay.worker.outbox import encode
 from relay.worker.session import Session
 from relay.worker.tracing import from_environment as tracing_from_environment
@@ -134,6 +135,7 @@ class Worker:
         self._probe: asyncio.Task[None] | None = None
         #: The backend's models on demand (SPEC §19): its states, loads and unloads.
         self._tracker: ModelTracker | None = None
+        self._operations: ModelOperations | None = None
         self._keeper: asyncio.Task[None] | None = None
 
     @property
@@ -145,6 +147,11 @@ class Worker:
     def tracker(self) -> ModelTracker:
         assert self._tracker is not None, "the worker recognises its backend before it connects"
         return self._tracker
+
+    @property
+    def operations(self) -> ModelOperations:
+        assert self._operations is not None, "made with the tracker"
+        return self._operations
 
     def advertised(self) -> list[str]:
         return [] if self.draining or self.backend_error is not None else list(self.models)
@@ -298,6 +305,7 @@ class Worker:
         tracker = self._tracker = ModelTracker(
             host, c, self._states_changed, self.backend_unreachable
         )
+        self._operations = ModelOperations(tracker, c)
         if host.on_demand:
             await self._until_ready(tracker.refresh)
             self.models = tracker.names()

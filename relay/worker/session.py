@@ -35,7 +35,6 @@ from relay.wire.protocol import (
     MetricsRejected,
     ModelLoad,
     ModelsRefresh,
-    ModelStates,
     ModelsUpdate,
     ModelUnload,
     Pause,
@@ -49,8 +48,10 @@ from relay.wire.protocol import (
     decode_server_message,
 )
 from relay.worker import sampler
+from relay.worker.announcer import ModelAnnouncer
 from relay.worker.backend import Backend, BackendUnreached, Valve
 from relay.worker.config import Config
+from relay.worker.operations import ModelOperations
 from relay.worker.outbox import Outbox, encode
 from relay.worker.tracing import WorkerTracing
 from relay.worker.tracker import ModelTracker
@@ -68,9 +69,6 @@ MIN_SILENCE_SECS = 5.0
 MAX_SILENCE_SECS = 24 * 3600.0
 #: Close code and reason a worker gives up a silent connection with.
 SILENCE_CLOSE = (1001, "no message from the server")
-#: The least time between two ``model_states`` frames: a burst of changes goes out as
-#: one frame with the whole list (never more than a few a second).
-MODEL_STATES_INTERVAL_SECS = 0.25
 
 
 def silence_limit(configured: float, ping_interval: float | None) -> float | None:
@@ -108,6 +106,11 @@ class Owner(Protocol):
     @property
     def tracker(self) -> ModelTracker:
         """The backend's models on demand (a plain backend's tracker reports none)."""
+        ...
+
+    @property
+    def operations(self) -> ModelOperations:
+        """Loads and unloads on the relay's word (``model_states``)."""
         ...
 
     @property
@@ -151,13 +154,10 @@ class Session:
         self._watchdog: asyncio.Task[None] | None = None
         #: This connection's side of the ``metrics`` extension.
         self.metrics = sampler.Federating()
-        #: ``model_load`` / ``model_unload`` under way (``model_states``).
-        self.model_ops: set[asyncio.Task[None]] = set()
-        #: The tracker's version and the ``max_concurrent`` the relay last heard.
-        self._states_told = 0
-        self._concurrency_told = 0
         #: Every frame to the relay goes through it, in order.
         self.outbox = Outbox(ws, self.spawn)
+        #: This connection's side of the ``model_states`` extension.
+        self.models = ModelAnnouncer(worker, self.send, self.outbox.post, self.spawn)
 
     @property
     def load(self) -> int:
@@ -183,13 +183,9 @@ class Session:
 
     async def run(self) -> None:
         worker = self.worker
-        tracker = worker.tracker
         try:
             models = worker.advertised()
-            # A plain backend registers exactly as before the extension: no states.
-            on_demand = tracker.on_demand
-            states = (tracker.states() if models else []) if on_demand else None
-            self._states_told, self._concurrency_told = tracker.version, worker.max_concurrent
+            states, capacity = self.models.register_fields(models)
             await self.send(
                 Register(
                     worker_name=worker.config.worker_name,
@@ -200,7 +196,7 @@ class Session:
                     features=self.features(),
                     backend_error=worker.backend_error,
                     model_states=states,
-                    model_capacity=tracker.snapshot.capacity if on_demand else None,
+                    model_capacity=capacity,
                 )
             )
             loop = asyncio.get_running_loop()
@@ -249,7 +245,7 @@ class Session:
             case ModelsRefresh():
                 self.spawn(self.worker.refresh_models(self, always=True))
             case ModelLoad() | ModelUnload():
-                self.on_model_op(message)
+                self.models.on_op(message)
             case GracefulShutdown():
                 log.info(
                     "graceful shutdown requested by the proxy (%s): finishing %d in-flight "
@@ -295,7 +291,7 @@ class Session:
         if self.worker.config.models is None and not on_demand and not self.draining:
             self.spawn(self._refresh_periodically(), name="model refresh")
         if on_demand and MODEL_STATES in self.accepted:
-            self.spawn(self._report_model_states(), name="model states")
+            self.spawn(self.models.report(lambda: self.draining), name="model states")
         if METRICS in self.accepted:
             self.spawn(
                 self.metrics.run(self.worker.config, self.send, lambda: self.load), name="metrics"
@@ -329,48 +325,6 @@ class Session:
                 del self.valves[rid]
 
         task.add_done_callback(forget)
-
-    def on_model_op(self, op: ModelLoad | ModelUnload) -> None:
-        """``model_load`` / ``model_unload``: run it in a task of its own, answered by
-        exactly one ``model_result`` (at once when it cannot run at all)."""
-        refusal = self.worker.tracker.refusal(op, len(self.model_ops))
-        if refusal is not None:
-            self.outbox.post(encode(refusal))
-            return
-        task = self.spawn(self._model_op(op), name=f"model op {op.op_id}")
-        self.model_ops.add(task)
-        task.add_done_callback(self.model_ops.discard)
-
-    async def _model_op(self, op: ModelLoad | ModelUnload) -> None:
-        await self.send(await self.worker.tracker.operate(op))
-
-    async def _report_model_states(self) -> None:
-        """Send the whole list of model states whenever it changed (``model_states``).
-
-        Runs from ``register_ack`` to the end of the connection. Changes that come
-        while a frame was just sent wait for :data:`MODEL_STATES_INTERVAL_SECS`, then
-        go out together; none go out while draining or while the backend cannot be
-        reached (the models are withdrawn then; they go out again when it is back).
-        """
-        tracker = self.worker.tracker
-        loop = asyncio.get_running_loop()
-        sent_at = -math.inf
-        while True:
-            await tracker.changed(self._states_told)
-            wait = sent_at + MODEL_STATES_INTERVAL_SECS - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            self._states_told = tracker.version
-            if self.draining or self.worker.draining or self.worker.backend_error is not None:
-                continue
-            await self.send(self._states_frame())
-            sent_at = loop.time()
-
-    def _states_frame(self) -> ModelStates:
-        frame = self.worker.tracker.frame()
-        if self.worker.max_concurrent != self._concurrency_told:
-            frame.max_concurrent = self._concurrency_told = self.worker.max_concurrent
-        return frame
 
     def on_cancel(self, cancel: Cancel) -> None:
         tag = {"request_id": cancel.request_id}

@@ -1,74 +1,45 @@
-"""The worker's view of its backend's models, kept current, and the loads and unloads
-the relay asks for (SPEC §19, the ``model_states`` extension).
+"""The worker's view of its backend's models, kept current (SPEC §19, the
+``model_states`` extension).
 
 ``worker.Worker`` holds one :class:`ModelTracker` for the life of the process, around the
 :class:`~relay.worker.hosts.host.ModelHost` recognised at start-up, and runs its
-:meth:`ModelTracker.run` (the backend's event stream where it has one, a poll of its
-states otherwise, and a poll behind the events anyway, since a stream can drop). Every
-:class:`relay.worker.session.Session` reports the states from it, and hands it each
-``model_load`` / ``model_unload``.
-
-Operations on one model run one at a time, in the order they came: a second one waits
-for the first, then usually finds nothing left to do (a load after a load answers ok
-at once). At most :data:`MAX_WAITING_OPS` may wait behind the running one; more are
-refused. An operation for a model the backend does not have is refused at once and
-nothing is kept for it. Every operation ends in exactly one ``model_result``, within
-``--model-op-timeout-secs``. Imports nothing from Django.
+:meth:`ModelTracker.run`: the backend's event stream where it has one, a poll of its
+states otherwise, and a poll behind the events anyway, since a stream can drop. Every
+connection's :class:`relay.worker.announcer.ModelAnnouncer` reports the states from it;
+:class:`relay.worker.operations.ModelOperations` loads and unloads through it. Imports
+nothing from Django.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from itertools import islice
-from typing import Literal
 
-from relay.wire.errors import describe
 from relay.wire.protocol import (
     LOADABLE,
     LOADED,
     LOADING,
     MAX_MODEL_STATES,
-    SLEEPING,
-    ModelLoad,
-    ModelResult,
     ModelState,
     ModelStates,
-    ModelUnload,
 )
 from relay.worker.backend import BackendNotReady
 from relay.worker.config import Config
-from relay.worker.hosts.host import HostError, Model, ModelHost, Snapshot
+from relay.worker.hosts.host import Model, ModelHost, Snapshot
 
 log = logging.getLogger("modelrelay.worker")
 
-#: Operations that may wait behind the one running on the same model.
-MAX_WAITING_OPS = 4
-#: Operations one connection may have under way at once (over all models).
-MAX_OPS_IN_FLIGHT = 64
 #: Changes logged one line per model; more at once are counted in one line.
 MAX_LOGGED_CHANGES = 20
 #: Delay before an event stream that failed is opened again, doubling up to the poll
 #: behind it.
 WATCH_RETRY_SECS = 0.5
 
-ModelOp = ModelLoad | ModelUnload
-
-
-class _Turns:
-    """The operations on one model: one runs, the others wait for the lock."""
-
-    __slots__ = ("lock", "users")
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0
-
 
 class ModelTracker:
-    """Each model's state as the worker reports it, and the operations that change it.
+    """Each model's state as the worker reports it.
 
     ``on_change(snapshot, names_changed)`` is called after every change of what the
     relay is told (a state, a model's slots, the capacity, the set of names);
@@ -104,7 +75,6 @@ class ModelTracker:
         self._loading: set[str] = set()
         self._truncated = False
         self._seen = False
-        self._turns: dict[str, _Turns] = {}
         self._interval = config.model_refresh_secs if host.has_events else config.model_poll_secs
 
     @property
@@ -261,156 +231,36 @@ class ModelTracker:
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.config.model_refresh_secs)
 
-    # -- operations ----------------------------------------------------------------------
+    # -- what operations need ------------------------------------------------------------
 
-    def refusal(self, op: ModelOp, in_flight: int) -> ModelResult | None:
-        """The answer to ``op`` when it cannot run at all (None: it may run).
-
-        Called by the session for each ``model_load`` / ``model_unload`` before it
-        starts a task: nothing is kept for an op refused here.
-        """
-        kind = _kind(op)
-        if not self.on_demand:
-            problem = "this backend does not load or unload models on demand"
-        elif op.model not in self.snapshot.models:
-            problem = "the backend has no such model"
-        elif in_flight >= MAX_OPS_IN_FLIGHT:
-            problem = f"more than {MAX_OPS_IN_FLIGHT} model operations under way"
-        else:
-            return None
-        log.warning("refused to %s model %s (op %s): %s", kind, op.model[:200], op.op_id, problem)
-        state = self._state(op.model) if op.model in self.snapshot.models else ""
-        return ModelResult(
-            op_id=op.op_id,
-            model=op.model,
-            op=kind,
-            ok=False,
-            state=state,
-            error=problem,
-            duration_ms=0,
-        )
-
-    async def operate(self, op: ModelOp) -> ModelResult:
-        """Run one load or unload to its end; the one ``model_result`` that answers it.
-
-        Waits behind an operation on the same model already under way. Never raises
-        but for cancellation (the connection ended).
-        """
-        kind, model = _kind(op), op.model
-        started = time.monotonic()
-        problem: str | None = None
-        turns = self._turns.get(model)
-        if turns is None:
-            turns = self._turns[model] = _Turns()
-        try:
-            turns.users += 1
-            if turns.users > MAX_WAITING_OPS + 1:
-                problem = f"{MAX_WAITING_OPS} operations on this model are already waiting"
-            else:
-                timeout = self.config.model_op_timeout_secs
-                try:
-                    async with asyncio.timeout(timeout):
-                        async with turns.lock:
-                            if isinstance(op, ModelLoad):
-                                await self._load(model)
-                            else:
-                                await self._unload(model)
-                except TimeoutError:
-                    problem = f"not done after {timeout:g}s (MODEL_OP_TIMEOUT_SECS)"
-                except (HostError, BackendNotReady) as exc:
-                    problem = str(exc)
-                except Exception as exc:  # a bug must still answer the relay
-                    log.exception("%s of model %s failed unexpectedly", kind, model)
-                    problem = describe(exc)
-        finally:
-            turns.users -= 1
-            if not turns.users and self._turns.get(model) is turns:
-                del self._turns[model]
-        elapsed = time.monotonic() - started
-        state = self._state(model)
-        if problem is None:
-            log.info(
-                "%s model %s in %.2fs (op %s; now %s)", _done(kind), model, elapsed, op.op_id, state
-            )
-        else:
-            log.warning(
-                "could not %s model %s after %.2fs (op %s; now %s): %s",
-                kind,
-                model,
-                elapsed,
-                op.op_id,
-                state or "gone",
-                problem,
-            )
-        return ModelResult(
-            op_id=op.op_id,
-            model=model,
-            op=kind,
-            ok=problem is None,
-            state=state,
-            error=None if problem is None else problem[:1000],
-            duration_ms=round(elapsed * 1000),
-        )
-
-    async def _load(self, model: str) -> None:
-        await self.refresh()
-        state = self._backend_state(model)
-        if state == LOADED:
-            return
-        self._loading.add(model)
-        try:
-            if state != LOADING:
-                self._apply(self._raw)  # the relay hears "loading" at once
-                await self.host.load(model)  # a sleeping model is woken
-                await self.refresh()
-            state = await self._settle(model, lambda s: s not in (LOADING, SLEEPING))
-        finally:
-            self._loading.discard(model)
-            self._apply(self._raw)
-        if state != LOADED:
-            found = self._raw.models.get(model)
-            why = found.problem if found is not None and found.problem else None
-            raise HostError(why or f"the backend did not load it (its state: {state or 'gone'})")
-
-    async def _unload(self, model: str) -> None:
-        await self.refresh()
-        freed = self.host.freed_state(model)
-
-        def done(state: str) -> bool:
-            # A sleeping model still holds memory where sleep is not what frees it
-            # (llama-server's router counts it against --models-max).
-            return state == freed or state not in (LOADED, LOADING, SLEEPING)
-
-        if done(self._backend_state(model)):
-            return
-        await self.host.unload(model)
-        await self.refresh()
-        await self._settle(model, done)
-
-    async def _settle(self, model: str, done: Callable[[str], bool]) -> str:
-        """Wait until the backend's state of ``model`` satisfies ``done``; that state.
-
-        Woken by every read of the states (the event stream's, the poll's), and reads
-        them itself every ``--model-poll-secs`` meanwhile.
-        """
-        while True:
-            state = self._backend_state(model)
-            if done(state):
-                return state
-            answered = self._answered
-            try:
-                async with asyncio.timeout(self.config.model_poll_secs):
-                    await answered.wait()
-            except TimeoutError:
-                await self.refresh()
-
-    def _backend_state(self, model: str) -> str:
+    def backend_state(self, model: str) -> str:
+        """``model``'s state as the backend said it last ("" when it has no such model)."""
         found = self._raw.models.get(model)
         return "" if found is None else found.state
 
-    def _state(self, model: str) -> str:
+    def problem(self, model: str) -> str | None:
+        """Why the backend says ``model``'s last load failed, where it says."""
+        found = self._raw.models.get(model)
+        return None if found is None else found.problem
+
+    def state(self, model: str) -> str:
+        """``model``'s state as the relay is told it ("" when there is no such model)."""
         found = self.snapshot.models.get(model)
         return "" if found is None else found.state
+
+    @property
+    def answered(self) -> asyncio.Event:
+        """Set at the backend's next answer to a read of the states, changed or not."""
+        return self._answered
+
+    def loading(self, model: str, on: bool) -> None:
+        """While on, ``model`` shows ``loading`` where the backend says ``loadable``: this
+        worker is loading it and the backend does not say so itself (Ollama)."""
+        if on:
+            self._loading.add(model)
+        else:
+            self._loading.discard(model)
+        self._apply(self._raw)
 
 
 def _log_changes(before: Snapshot, after: Snapshot) -> None:
@@ -428,11 +278,3 @@ def _log_changes(before: Snapshot, after: Snapshot) -> None:
         log.info("model %s: %s", name, state if old is None else f"{old} -> {state}")
     for name in gone:
         log.info("model %s: no longer on the backend", name)
-
-
-def _kind(op: ModelOp) -> Literal["load", "unload"]:
-    return "load" if isinstance(op, ModelLoad) else "unload"
-
-
-def _done(kind: str) -> str:
-    return "loaded" if kind == "load" else "unloaded"

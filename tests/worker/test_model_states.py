@@ -33,11 +33,11 @@ from relay.wire.protocol import (
     ResponseChunk,
     ResponseComplete,
 )
+from relay.worker.announcer import MODEL_STATES_INTERVAL_SECS
 from relay.worker.backend import BackendNotReady
 from relay.worker.hosts.host import MAX_ANSWER_BYTES, call
+from relay.worker.operations import MAX_OPS_IN_FLIGHT, MAX_WAITING_OPS
 from relay.worker.outbox import encode
-from relay.worker.session import MODEL_STATES_INTERVAL_SECS
-from relay.worker.tracker import MAX_OPS_IN_FLIGHT, MAX_WAITING_OPS
 from tests.modelhosts import FakeLlamaRouter, FakeLlamaSwap, FakeOllama, FakeVllm
 from tests.stall import STALL_BUDGET_MS, LoopStalls
 from tests.upstream import FakeUpstream
@@ -190,7 +190,7 @@ async def test_an_op_for_a_model_the_backend_lacks_is_refused_and_nothing_is_kep
         assert all(not a.ok and a.error == "the backend has no such model" for a in answers)
         assert all(a.state == "" for a in answers)
         await side.ping(1)
-        assert instance.tracker._turns == {}  # nothing is kept for a name from the relay
+        assert instance.operations._turns == {}  # nothing is kept for a name from the relay
         assert up.ops == []
 
 
