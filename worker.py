@@ -77,10 +77,10 @@ from relay.wire.logrecord import formatter
 from relay.wire.protocol import LOADED, ModelsUpdate
 from relay.worker.backend import Backend, BackendNotReady
 from relay.worker.config import Config, parse_config
-from relay.worker.hosts import ModelHost, recognise
-from relay.worker.hosts.host import Snapshot
+from relay.worker.modelhost import ModelHost, Snapshot
 from relay.worker.operations import ModelOperations
 from relay.worker.outbox import encode
+from relay.worker.recognition import recognise
 from relay.worker.session import Session
 from relay.worker.tracing import from_environment as tracing_from_environment
 from relay.worker.tracker import ModelTracker

@@ -35,7 +35,7 @@ from relay.wire.protocol import (
 )
 from relay.worker.backend import BackendNotReady
 from relay.worker.config import Config
-from relay.worker.hosts.host import HostError
+from relay.worker.modelhost import HostError
 from relay.worker.tracker import ModelTracker
 
 log = logging.getLogger("modelrelay.worker")

@@ -2,7 +2,7 @@
 ``model_states`` extension).
 
 ``worker.Worker`` holds one :class:`ModelTracker` for the life of the process, around the
-:class:`~relay.worker.hosts.host.ModelHost` recognised at start-up, and runs its
+:class:`~relay.worker.modelhost.ModelHost` recognised at start-up, and runs its
 :meth:`ModelTracker.run`: the backend's event stream where it has one, a poll of its
 states otherwise, and a poll behind the events anyway, since a stream can drop. Every
 connection's :class:`relay.worker.announcer.ModelAnnouncer` reports the states from it;
@@ -27,7 +27,7 @@ from relay.wire.protocol import (
 )
 from relay.worker.backend import BackendNotReady
 from relay.worker.config import Config
-from relay.worker.hosts.host import Model, ModelHost, Snapshot
+from relay.worker.modelhost import Model, ModelHost, Snapshot
 
 log = logging.getLogger("modelrelay.worker")
 

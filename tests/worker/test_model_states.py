@@ -35,7 +35,7 @@ from relay.wire.protocol import (
 )
 from relay.worker.announcer import MODEL_STATES_INTERVAL_SECS
 from relay.worker.backend import BackendNotReady
-from relay.worker.hosts.host import MAX_ANSWER_BYTES, call
+from relay.worker.modelhost import MAX_ANSWER_BYTES, call
 from relay.worker.operations import MAX_OPS_IN_FLIGHT, MAX_WAITING_OPS
 from relay.worker.outbox import encode
 from tests.modelhosts import FakeLlamaRouter, FakeLlamaSwap, FakeOllama, FakeVllm

@@ -2,7 +2,7 @@
 
 A :class:`ModelHost` reads its backend's models with their states, loads and unloads
 one, and follows the backend's own notices of change where it has any. One subclass per
-backend kind, each in a module of this package; :func:`relay.worker.hosts.recognise`
+backend kind, each in a module of its own; :func:`relay.worker.recognition.recognise`
 picks one when the worker starts, and :class:`relay.worker.tracker.ModelTracker` drives
 it. The base class is the plain backend: every model always loaded, nothing to load or
 unload (the null object a plain worker holds). Imports nothing from Django.

@@ -28,7 +28,7 @@ import httpx
 from relay.wire.protocol import LOADABLE, LOADED, SLEEPING
 from relay.worker.backend import BackendNotReady
 from relay.worker.config import Config
-from relay.worker.hosts.host import (
+from relay.worker.modelhost import (
     HostError,
     Model,
     ModelHost,

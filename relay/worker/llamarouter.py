@@ -36,7 +36,7 @@ from relay.wire.errors import describe
 from relay.wire.protocol import LOADABLE, LOADED, LOADING, SLEEPING
 from relay.worker.backend import BackendNotReady
 from relay.worker.config import Config
-from relay.worker.hosts.host import (
+from relay.worker.modelhost import (
     CONNECT_TIMEOUT_SECS,
     HostError,
     Model,

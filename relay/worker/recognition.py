@@ -1,12 +1,14 @@
-"""Backends that load models on demand (SPEC §19), one module per kind.
+"""Which kind of backend the worker serves: one that loads models on demand (SPEC §19),
+or a plain one.
 
 ``worker.Worker`` calls :func:`recognise` once the backend answers its discovery, and
-hands the :class:`~relay.worker.hosts.host.ModelHost` it returns to its
-:class:`relay.worker.tracker.ModelTracker`. Kinds: llama-server's router
-(:mod:`.llamarouter`), llama-swap (:mod:`.llamaswap`), Ollama (:mod:`.ollama`) and vLLM
-with sleep mode or runtime LoRA adapters (:mod:`.vllm`); anything else is the plain
-backend (the base :class:`~relay.worker.hosts.host.ModelHost`), registered as before.
-Imports nothing from Django.
+hands the :class:`~relay.worker.modelhost.ModelHost` it returns to its
+:class:`relay.worker.tracker.ModelTracker`. Kinds, one module each: llama-server's router
+(:mod:`relay.worker.llamarouter`), llama-swap (:mod:`relay.worker.llamaswap`), Ollama
+(:mod:`relay.worker.ollama`) and vLLM with sleep mode or runtime LoRA adapters
+(:mod:`relay.worker.vllm`); anything else is the plain backend (the base
+:class:`~relay.worker.modelhost.ModelHost`), registered as before. Imports nothing from
+Django.
 """
 
 from __future__ import annotations
@@ -17,20 +19,18 @@ import httpx
 
 from relay.worker.backend import BackendNotReady
 from relay.worker.config import Config
-from relay.worker.hosts.host import ModelHost, call
-from relay.worker.hosts.llamarouter import (
+from relay.worker.llamarouter import (
     LlamaRouter,
     is_router,
     is_router_props,
     router_capacity,
 )
-from relay.worker.hosts.llamaswap import LlamaSwap, is_llamaswap
-from relay.worker.hosts.ollama import Ollama, is_ollama
-from relay.worker.hosts.vllm import Vllm, is_vllm, sleeping
+from relay.worker.llamaswap import LlamaSwap, is_llamaswap
+from relay.worker.modelhost import ModelHost, call
+from relay.worker.ollama import Ollama, is_ollama
+from relay.worker.vllm import Vllm, is_vllm, sleeping
 
 log = logging.getLogger("modelrelay.worker")
-
-__all__ = ["ModelHost", "recognise"]
 
 
 async def recognise(http: httpx.AsyncClient, config: Config) -> ModelHost:

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 from relay.wire.protocol import LOADABLE, LOADED, LOADING
 from relay.worker.backend import BackendNotReady
-from relay.worker.hosts.host import (
+from relay.worker.modelhost import (
     HostError,
     Model,
     ModelHost,

@@ -19,7 +19,7 @@ from typing import Any
 
 from relay.wire.protocol import LOADABLE, LOADED
 from relay.worker.backend import BackendNotReady
-from relay.worker.hosts.host import (
+from relay.worker.modelhost import (
     HostError,
     Model,
     ModelHost,
