@@ -123,8 +123,10 @@ class FakeLlamaRouter(FakeModelHost):
         super().__init__(states, **options)
         self.models_max = models_max
         self.slots = slots
-        #: Whether ``GET /models/sse`` exists (routers before it answer 404).
+        #: Whether ``GET /models/sse`` exists (routers before it answer 404), and
+        #: whether it fails (500) for now.
         self.events = events
+        self.events_broken = False
         self.exit_codes: dict[str, int] = {}
         #: Chat streams stay open after their first events until their model unloads.
         self.hold_streams = False
@@ -155,6 +157,8 @@ class FakeLlamaRouter(FakeModelHost):
         if rec.method == "GET" and rec.path == "/models/sse":
             if not self.events:
                 return 404, _error("File Not Found", 404)
+            if self.events_broken:
+                return 500, _error("the event stream failed", 500)
             await self._events(reader, writer)
             return True
         if rec.method == "POST" and rec.path == "/models/load":

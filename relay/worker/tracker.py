@@ -175,8 +175,9 @@ class ModelTracker:
 
         Reads them again at each notice of the backend's event stream, and every
         ``--model-refresh-secs`` behind it; every ``--model-poll-secs`` for a backend
-        without one. A read that fails is tried again at the next turn; a backend that
-        refuses connections is reported (the worker withdraws its models meanwhile).
+        without one, and while its stream cannot be opened. A read that fails is tried
+        again at the next turn; a backend that refuses connections is reported (the
+        worker withdraws its models meanwhile).
         """
         watcher = (
             asyncio.create_task(self._watch(), name="model events")
@@ -209,14 +210,17 @@ class ModelTracker:
             log.exception("reading the model states failed unexpectedly")
 
     async def _watch(self) -> None:
-        """Follow the backend's event stream; fall back to polling if it has none."""
+        """Follow the backend's event stream; poll while it is down, and for good if the
+        backend has none."""
         delay = WATCH_RETRY_SECS
         while True:
             try:
-                ongoing = await self.host.watch(self.poke, self.config.model_refresh_secs)
+                ongoing = await self.host.watch(self._event, self.config.model_refresh_secs)
             except BackendNotReady as exc:
+                self._interval = self.config.model_poll_secs  # until an event comes again
                 log.debug("the backend's model events: %s; opening them again in %gs", exc, delay)
             except Exception:
+                self._interval = self.config.model_poll_secs
                 log.exception("following the backend's model events failed unexpectedly")
             else:
                 if not ongoing:
@@ -230,6 +234,11 @@ class ModelTracker:
             self.poke()
             await asyncio.sleep(delay)
             delay = min(2 * delay, self.config.model_refresh_secs)
+
+    def _event(self) -> None:
+        """A notice from the backend's event stream: it is up, the poll behind it slow."""
+        self._interval = self.config.model_refresh_secs
+        self.poke()
 
     # -- what operations need ------------------------------------------------------------
 

@@ -436,6 +436,18 @@ async def test_a_router_with_no_model_yet_is_recognised_and_its_new_models_repor
         await states_where(side, lambda s: s == {"fresh": "loadable"}, timeout=3)
 
 
+async def test_a_router_whose_event_stream_fails_is_polled_meanwhile() -> None:
+    router = FakeLlamaRouter({"a": "unloaded"})
+    router.events_broken = True
+    async with router as up, serving(up.url) as (instance, side):
+        up.set_state("a", "loaded")  # no event reaches the worker: the poll sees it
+        await states_where(side, lambda s: s == {"a": "loaded"})
+        up.events_broken = False  # back: the poll behind the events slows down again
+        async with asyncio.timeout(5):
+            while instance.tracker._interval != instance.config.model_refresh_secs:
+                await up.wait_requests(len(up.requests) + 1)
+
+
 async def test_a_router_without_an_event_stream_is_polled() -> None:
     async with FakeLlamaRouter({"a": "unloaded"}, events=False) as up, serving(up.url) as (_, side):
         assert side.register is not None and side.register.max_concurrent == 1
