@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
+from typing import Any
 
 from websockets.exceptions import ConnectionClosed
 
@@ -52,7 +53,7 @@ class StatesWorker:
         #: Requests served, by model; and requests for a model it did not have loaded.
         self.served: list[str] = []
         self.misrouted: list[str] = []
-        self._ws = None
+        self._ws: Any = None
         self._reader: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
 

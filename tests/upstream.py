@@ -116,6 +116,8 @@ class Recorded:
     #: Writes wait for the socket to drain, so this stops growing while the client
     #: reads nothing, once the socket buffers between them are full.
     bytes_written: int = 0
+    #: The query string of the request target (after ``?``).
+    query: str = ""
 
     def json(self) -> Any:
         return msgspec.json.decode(self.body)
@@ -266,7 +268,8 @@ class FakeUpstream:
                     headers[name.strip().lower()] = value.strip()
                 length = int(headers.get("content-length") or 0)
                 body = await reader.readexactly(length) if length else b""
-                rec = Recorded(method, target.split("?", 1)[0], headers, body)
+                path, _, query = target.partition("?")
+                rec = Recorded(method, path, headers, body, query=query)
                 # A backend without metrics (the default here) is still asked for them
                 # by the worker's sampler: those asks are not requests a test counts.
                 scrape = rec.path == "/metrics" and self.metrics_text is None
