@@ -7,8 +7,9 @@ requests sent three ways, each from a cold start (fresh routers, nothing loaded)
 - *relay*: through one daphne and one ``worker.py`` per box, the relay placing models;
 - *unmanaged*: the same, with the workers' ``MODEL_STATES=off`` (every model advertised as
   if loaded, as before the extension): the routers load whatever a request names;
-- *ideal*: straight to the routers with the best static placement loaded beforehand
-  (its loads counted), each request sent to a box that holds its model.
+- *ideal*: straight to the routers with the best static placement, each request sent
+  to a box of the placement that holds its model (each box loads its models when their
+  first request comes, from the same cold start).
 
 Loads are counted in the routers' own logs (each ``spawning server instance``), whoever
 asked for them. Workloads: two boxes with ``--models-max 1`` and two models, 40 streamed
@@ -173,13 +174,10 @@ def _ideal(
     procs: Processes, binary: str, folder: Path, placement: list[list[str]], models_max: int,
     label: str, order: list[str], clients: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """The best static placement, loaded first, then the requests straight to a box
-    holding their model (round-robin where several do)."""
+    """The best static placement: each request straight to a box of the placement that
+    holds its model (round-robin where several do), from the same cold start, each box
+    loading its models when their first request comes (as the relay's boxes do)."""
     boxes = _start_routers(procs, binary, folder, len(placement), models_max, label)
-    for (url, _), models in zip(boxes, placement, strict=True):
-        for model in models:
-            httpx.post(url + "/models/load", json={"model": model}, timeout=120)
-        _wait_loaded(url, models)
     holders: dict[str, list[str]] = {}
     for (url, _), models in zip(boxes, placement, strict=True):
         for model in models:
@@ -195,17 +193,6 @@ def _ideal(
     summary = _summary(results, _loads(boxes))
     procs.stop_all()
     return summary
-
-
-def _wait_loaded(url: str, models: list[str], timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        listed = httpx.get(url + "/models", timeout=10).json()["data"]
-        states = {m["id"]: m["status"]["value"] for m in listed}
-        if all(states.get(m) == "loaded" for m in models):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"{models} not loaded at {url}")
 
 
 def _through_relay(

@@ -44,8 +44,9 @@ def ondemand(res: dict[str, Any]) -> list[str]:
         "each run from a cold start. *relay*: through one daphne and one `worker.py` per box, "
         "the relay placing models; *unmanaged*: the same with the workers' `MODEL_STATES=off` "
         "(every model advertised as loaded, the routers load what requests name); *ideal*: "
-        "straight to the routers with the best static placement loaded first (those loads "
-        "counted). Loads are counted in the routers' logs, whoever caused them. "
+        "straight to the routers with the best static placement, each request to a box that "
+        "holds its model, each box loading its models on their first request. Loads are "
+        "counted in the routers' logs, whoever caused them. "
         f"{s['m_requests']} streamed requests from {s['m_clients']} clients.",
         "",
     ]
