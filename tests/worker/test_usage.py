@@ -35,6 +35,21 @@ def test_usage_is_found_in_every_api_shape_however_the_stream_is_cut() -> None:
     assert UsageScanner().counts() is None
 
 
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+def test_usage_is_found_whatever_the_streams_line_endings(eol: bytes) -> None:
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+        b"data: [DONE]\n\n"
+    ).replace(b"\n", eol)
+    for size in (1, 2, 7, len(stream)):
+        scanner = UsageScanner()
+        for start in range(0, len(stream), size):
+            scanner.feed(stream[start : start + size])
+        scanner.finish()
+        assert scanner.counts() == TokenCounts(3, 2, 5), size
+
+
 def test_counts_are_formatted_for_the_per_request_debug_line() -> None:
     assert format_counts(TokenCounts(9, 4, 13)) == "prompt=9 completion=4 total=13"
     assert format_counts(None) == "none reported"
