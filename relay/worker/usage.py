@@ -25,7 +25,7 @@ import re
 
 import msgspec
 
-from relay.wire.protocol import TokenCounts
+from relay.wire.protocol import MAX_TOKENS, TokenCounts
 
 _USAGE = re.compile(rb'"(?:usage|timings)"\s*:\s*\{')
 _LINES = re.compile(rb"\r\n?|\n")
@@ -194,7 +194,14 @@ class UsageScanner:
             self.completion = predicted
 
     def counts(self) -> TokenCounts | None:
-        if self.prompt is None and self.completion is None and self.total is None:
+        reported = (self.prompt, self.completion, self.total, self.cached)
+        # A count past MAX_TOKENS (a backend's unsigned underflow) is no figure to charge:
+        # dropped, as the relay would drop it, and what is left marked an estimate.
+        prompt, completion, total, cached = (
+            None if count is not None and count > MAX_TOKENS else count for count in reported
+        )
+        dropped = (prompt, completion, total, cached) != reported
+        if prompt is None and completion is None and total is None:
             if self.estimate_prompt is not None and self.events:
                 # About one token per event (how llama-server, vLLM and OpenAI stream),
                 # less the closing ``data: [DONE]``; the prompt from the request's size.
@@ -204,19 +211,19 @@ class UsageScanner:
                     prompt_tokens=prompt,
                     completion_tokens=completion,
                     total_tokens=prompt + completion,
-                    cached_tokens=self.cached,
+                    cached_tokens=cached,
                     estimated=True,
                 )
-            if self.cached is None:
+            if cached is None and not dropped:
                 return None
-        total = self.total
-        if total is None and self.prompt is not None and self.completion is not None:
-            total = self.prompt + self.completion
+        if total is None and prompt is not None and completion is not None:
+            total = prompt + completion
         return TokenCounts(
-            prompt_tokens=self.prompt,
-            completion_tokens=self.completion,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
             total_tokens=total,
-            cached_tokens=self.cached,
+            cached_tokens=cached,
+            estimated=dropped,
         )
 
 

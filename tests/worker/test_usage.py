@@ -97,3 +97,25 @@ def test_a_cached_count_of_the_wrong_type_is_ignored() -> None:
         "application/json",
     )
     assert scanner.counts() == TokenCounts(5, None, None)
+
+
+@pytest.mark.parametrize("absurd", [10**12 + 1, 2**64 - 1, 2**70])
+def test_a_count_past_any_real_figure_is_dropped_and_the_rest_marked_an_estimate(
+    absurd: int,
+) -> None:
+    """(A backend's unsigned underflow: the relay would drop it too.)"""
+    scanner = UsageScanner()
+    scanner.feed_document(
+        b'{"usage": {"prompt_tokens": %d, "completion_tokens": 2,'
+        b' "prompt_tokens_details": {"cached_tokens": %d}}}' % (absurd, absurd),
+        "application/json",
+    )
+    counts = scanner.counts()
+    assert counts == TokenCounts(completion_tokens=2, estimated=True)
+    assert format_counts(counts) == "prompt=None completion=2 total=None (estimated)"
+    streamed = UsageScanner()
+    streamed.estimate(40)
+    streamed.count(b'data: {"choices":[],"usage":{"total_tokens":%d}}\n\n' % absurd)
+    streamed.finish()
+    # Nothing usable reported: the stream is counted instead.
+    assert streamed.counts() == TokenCounts(10, 0, 10, estimated=True)
