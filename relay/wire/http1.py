@@ -13,8 +13,9 @@ a head, the framing in :class:`ResponseHead`, and the end of a body delimited by
 connection's close (:attr:`ResponseReader.until_close`).
 
 Each client subclasses the reader to name the exception malformed input raises
-(:attr:`ResponseReader.error`: the one its callers already handle) and how header
-values are decoded (:meth:`ResponseReader.text`). Imports nothing from Django.
+(:attr:`ResponseReader.error`: the one its callers already handle), and may decode
+header values its own way (:meth:`ResponseReader.on_header`). Imports nothing from
+Django.
 """
 
 from __future__ import annotations
@@ -83,11 +84,6 @@ class ResponseReader:
         self._parser = httptools.HttpResponseParser(self)
         self.expect()
 
-    @staticmethod
-    def text(value: bytes) -> str:
-        """A header value as text (ISO-8859-1, which keeps every byte)."""
-        return value.decode("latin-1")
-
     def expect(self) -> None:
         """Expect a new response (before or after a request was written)."""
         self.head: ResponseHead | None = None
@@ -139,7 +135,11 @@ class ResponseReader:
             raise self.error("data after the end of the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1").lower(), self.text(value.strip(b" \t"))))
+        """One header: its name lowercased, its value as ISO-8859-1 text (which keeps
+        every byte). A subclass may decode values otherwise."""
+        self._headers.append(
+            (name.decode("latin-1").lower(), value.strip(b" \t").decode("latin-1"))
+        )
 
     def on_headers_complete(self) -> None:
         parser = self._parser
@@ -152,7 +152,7 @@ class ResponseReader:
                 raise self.error("the server switched protocols")
             self._headers, self._interim = [], True  # skipped; the final response follows
             return
-        head = ResponseHead(status, self._headers, keep_alive=parser.should_keep_alive())
+        head = ResponseHead(status, self._headers, NO_BODY, 0, parser.should_keep_alive())
         codings: list[str] = []
         length = ""
         for name, value in head.headers:

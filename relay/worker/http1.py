@@ -97,4 +97,6 @@ class BackendResponseReader(ResponseReader):
     __slots__ = ()
 
     error = httpx.RemoteProtocolError
-    text = staticmethod(_text)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1").lower(), _text(value.strip(b" \t"))))

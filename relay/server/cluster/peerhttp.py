@@ -43,7 +43,8 @@ class PeerRefused(PeerError):
 class _PeerResponseReader(ResponseReader):
     """The responses of one connection to another process; malformed ones raise
     :class:`PeerError`. What llhttp hands over of a body is kept in :attr:`body` until
-    :meth:`PeerResponse.chunks` takes it."""
+    :meth:`PeerResponse.chunks` takes it (all of it, or the connection is closed: a
+    reused connection's reader holds none)."""
 
     __slots__ = ("body",)
 
@@ -55,10 +56,6 @@ class _PeerResponseReader(ResponseReader):
 
     def _take(self, data: bytes) -> None:
         self.body.append(data)
-
-    def expect(self) -> None:
-        super().expect()
-        self.body = []
 
 
 class _Conn:
