@@ -135,6 +135,13 @@ class TokenCounts(msgspec.Struct, omit_defaults=True):
     estimated: bool = False
 
     def __post_init__(self) -> None:
+        if (  # (the usual case, checked first: one comparison per count)
+            (self.prompt_tokens or 0) <= MAX_TOKENS
+            and (self.completion_tokens or 0) <= MAX_TOKENS
+            and (self.total_tokens or 0) <= MAX_TOKENS
+            and (self.cached_tokens or 0) <= MAX_TOKENS
+        ):
+            return
         for name in _COUNT_FIELDS:
             count = getattr(self, name)
             if count is None or count <= MAX_TOKENS:

@@ -194,13 +194,20 @@ class UsageScanner:
             self.completion = predicted
 
     def counts(self) -> TokenCounts | None:
-        reported = (self.prompt, self.completion, self.total, self.cached)
-        # A count past MAX_TOKENS (a backend's unsigned underflow) is no figure to charge:
-        # dropped, as the relay would drop it, and what is left marked an estimate.
-        prompt, completion, total, cached = (
-            None if count is not None and count > MAX_TOKENS else count for count in reported
+        prompt, completion, total, cached = self.prompt, self.completion, self.total, self.cached
+        dropped = (
+            (prompt or 0) > MAX_TOKENS
+            or (completion or 0) > MAX_TOKENS
+            or (total or 0) > MAX_TOKENS
+            or (cached or 0) > MAX_TOKENS
         )
-        dropped = (prompt, completion, total, cached) != reported
+        if dropped:
+            # A count past MAX_TOKENS (a backend's unsigned underflow) is no figure to
+            # charge: dropped, as the relay would drop it, and the rest marked an estimate.
+            prompt, completion, total, cached = (
+                None if count is not None and count > MAX_TOKENS else count
+                for count in (prompt, completion, total, cached)
+            )
         if prompt is None and completion is None and total is None:
             if self.estimate_prompt is not None and self.events:
                 # About one token per event (how llama-server, vLLM and OpenAI stream),
