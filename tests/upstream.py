@@ -26,7 +26,9 @@ forced status and error body, delays before the first byte and per token,
 ``stepped`` (each write waits for :meth:`FakeUpstream.release`), a multi-byte
 UTF-8 character split across two writes, chunked or close-delimited framing, a
 stream broken off mid-way, ``hang`` (answer nothing until the client leaves), or
-``padding`` (a large SSE comment before every event: a big stream in few writes).
+``padding`` (a large SSE comment before every event: a big stream in few writes),
+``line_ending`` (LF, CRLF or CR throughout a stream) and ``blank_apart`` (each event's
+closing blank line in a write of its own).
 
 Every request is recorded (:class:`Recorded`) with an :class:`asyncio.Event` for
 "the response was fully written" and one for "the client disconnected first", so
@@ -53,6 +55,8 @@ import msgspec
 
 T = TypeVar("T")
 Framing = Literal["chunked", "close"]
+LineEnding = Literal["lf", "crlf", "cr"]
+_LINE_ENDINGS = {"lf": b"\n", "crlf": b"\r\n", "cr": b"\r"}
 #: ``llama``: as llama-server, usage when asked, and its ``timings`` on the last chunk
 #: with choices, or on the usage chunk when usage was asked for.
 StreamUsage = Literal["when_asked", "openai", "unless_declined", "never", "llama"]
@@ -90,6 +94,11 @@ class Mock(msgspec.Struct, forbid_unknown_fields=True):
     hang: bool = False
     #: Bytes of an SSE comment (``: ---…``, ignored by SSE clients) before each event.
     padding: int = 0
+    #: The line ending of a stream's events (SSE allows each of LF, CRLF and CR).
+    line_ending: LineEnding = "lf"
+    #: Each event's closing blank line is a write of its own (after the event's last
+    #: line and its ending); with ``stepped``, each waits for its own release.
+    blank_apart: bool = False
 
 
 class _Body(msgspec.Struct):
@@ -443,10 +452,15 @@ class FakeUpstream:
             if mock.padding > 0 and b'"choices":[],"usage"' not in event:
                 # (Not before a usage chunk: a stream is the same with it or without.)
                 event = b": " + b"-" * mock.padding + b"\n\n" + event
+            eol = _LINE_ENDINGS[mock.line_ending]
+            if eol != b"\n":
+                event = event.replace(b"\n", eol)  # (JSON text holds no raw newline)
             pieces = [event]
             if mock.split_utf8 and _EURO in event:
                 cut = event.index(_EURO) + 1
                 pieces = [event[:cut], event[cut:]]
+            if mock.blank_apart:
+                pieces[-1:] = [pieces[-1][: -len(eol)], eol]
             for piece in pieces:
                 if mock.stepped:
                     await self._steps.acquire()

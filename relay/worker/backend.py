@@ -32,12 +32,8 @@ from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
 from relay.worker.pool import ConnectionPool
 from relay.worker.streamend import StreamEnd
-from relay.worker.usage import (
-    USAGE_ON_REQUEST,
-    UsageScanner,
-    UsageStripper,
-    ask_for_usage,
-)
+from relay.worker.stripper import UsageStripper
+from relay.worker.usage import USAGE_ON_REQUEST, UsageScanner, ask_for_usage
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
 log = logging.getLogger("modelrelay.worker")
