@@ -69,6 +69,7 @@ def relay_config() -> RelayConfig:
         stream_buffer_bytes=s.STREAM_BUFFER_BYTES,
         stream_buffer_total_bytes=s.STREAM_BUFFER_TOTAL_BYTES,
         stall_timeout=s.STALL_TIMEOUT_SECS,
+        stream_end_grace=s.STREAM_END_GRACE_SECS,
         aliases=dict(s.MODEL_ALIASES),
         model_memory=s.MODEL_MEMORY_SECS,
         drain_timeout=s.DRAIN_TIMEOUT_SECS,
