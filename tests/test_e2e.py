@@ -396,10 +396,15 @@ def new_rows(server: LiveServer, before: int, count: int) -> list[tuple[Any, ...
     return logged_rows(server)[before:]
 
 
-def metric(server: LiveServer, name: str) -> float:
-    """The sum of a metric's samples in /metrics (0 when it has none)."""
+def metric(server: LiveServer, name: str, **labels: str) -> float:
+    """The sum of a metric's samples in /metrics with these labels (0 when none)."""
     text = httpx.get(server.url + "/metrics", timeout=5).text
-    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    total = 0.0
+    for found, value in re.findall(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', found))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 def read_until(server: LiveServer, path: str, body: bytes, end: bytes) -> socket.socket:
