@@ -185,8 +185,9 @@ CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:
     raise ImproperlyConfigured("CLUSTER_TICK_SECS must be positive and below CLUSTER_TTL_SECS")
-#: With Redis: a server process's per-key concurrency slots stop counting this long
-#: after it stopped renewing them (it died), so they never leak (docs/OPERATIONS.md).
+#: With Redis: a server process's per-key concurrency slots and token reservations stop
+#: counting this long after it stopped renewing them (it died), so they never leak
+#: (docs/OPERATIONS.md).
 LIMITS_LEASE_SECS = env_float("LIMITS_LEASE_SECS", 15.0)
 if REDIS_URL:
     CHANNEL_LAYERS = {
