@@ -232,7 +232,7 @@ async def test_a_budget_counts_what_requests_in_flight_reserved_until_each_settl
     last = await submit(6)  # 4 + 6 = 10: the budget is spent once it is admitted
     with pytest.raises(DailyQuotaExceeded):
         await submit(1)
-    last.ticket.close()  # type: ignore[union-attr]
+    last.ticket.close()
     (await gate.admit(1, limits, "m", 1)).close()
 
 
