@@ -46,8 +46,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import msgspec
+
+from relay.core.affinity import Prompt
 from relay.wire.errors import (
     ConcurrencyLimited,
     DailyQuotaExceeded,
@@ -86,6 +89,44 @@ def reservation(prompt_bytes: int, *max_output: object) -> int:
         if type(value) is int and value > most:  # (not a bool, not a float)
             most = value
     return min(MAX_RESERVATION, most + -(-prompt_bytes // BYTES_PER_TOKEN))
+
+
+class Cost(Prompt):
+    """What a request may cost against its key's token budgets, as its body says: the
+    output it asks for at most (chat's ``max_completion_tokens`` or ``max_tokens``,
+    completions' and Anthropic's ``max_tokens``, Responses' ``max_output_tokens``) and
+    its prompt's parts (kept raw). The HTTP edge decodes it with the model, in the same
+    pass (:mod:`relay.server.http.request`)."""
+
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    max_output_tokens: Any = None
+
+    def reservation(self) -> int:
+        """The tokens to reserve for it (:func:`reservation`)."""
+        prompt = (
+            len(self.system)
+            + len(self.instructions)
+            + len(self.tools)
+            + len(self.messages)
+            + len(self.input)
+            + len(self.prompt)
+        )
+        return reservation(
+            prompt, self.max_completion_tokens, self.max_tokens, self.max_output_tokens
+        )
+
+
+_cost_decoder = msgspec.json.Decoder(Cost)
+
+
+def reservation_of(body: bytes | str) -> int:
+    """The tokens to reserve for a body nothing decoded yet (a batch line's); 0 when it
+    is not a JSON object."""
+    try:
+        return _cost_decoder.decode(body).reservation()
+    except (msgspec.DecodeError, RecursionError):
+        return 0
 
 
 @dataclass(frozen=True, slots=True)

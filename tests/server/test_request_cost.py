@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from relay.core.limits import MAX_RESERVATION
-from relay.server.http.request import read_head, reservation_of
+from relay.core.limits import MAX_RESERVATION, reservation_of
+from relay.server.http.request import read_head
 
 
 def cost(document: dict) -> int:

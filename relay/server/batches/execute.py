@@ -18,11 +18,10 @@ from typing import Protocol
 
 from batches.models import ANTHROPIC, CANCELED, ERRORED, SUCCEEDED
 from relay.core.keycache import KeyCache
-from relay.core.limits import KeyLimits, Ticket
+from relay.core.limits import KeyLimits, Ticket, reservation_of
 from relay.core.relay import Relay
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server.batches.claims import Claimed, Result
-from relay.server.http.request import reservation_of
 from relay.wire.errors import (
     ClientError,
     Flavor,

@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from relay.core.affinity import Prompt
-from relay.core.limits import reservation
+from relay.core.limits import Cost
 from relay.core.routes import parse_routes
 from relay.server.http.send import Receive, Scope
 from relay.wire.errors import (
@@ -87,30 +86,6 @@ def reset_hosts() -> None:
     _hosts = None
 
 
-class Cost(Prompt):
-    """What a request may cost against its key's token budgets: the output it asks for
-    at most (OpenAI chat's ``max_completion_tokens`` or ``max_tokens``, completions' and
-    Anthropic's ``max_tokens``, Responses' ``max_output_tokens``) and its prompt parts."""
-
-    max_tokens: Any = None
-    max_completion_tokens: Any = None
-    max_output_tokens: Any = None
-
-    def reservation(self) -> int:
-        """The tokens to reserve (:func:`relay.core.limits.reservation`)."""
-        prompt = (
-            len(self.system)
-            + len(self.instructions)
-            + len(self.tools)
-            + len(self.messages)
-            + len(self.input)
-            + len(self.prompt)
-        )
-        return reservation(
-            prompt, self.max_completion_tokens, self.max_tokens, self.max_output_tokens
-        )
-
-
 class _Head(Cost):
     """The only fields the relay reads from a client body (with what cache-aware
     routing reads, :class:`relay.core.affinity.Prompt`, and what the key's budgets
@@ -122,7 +97,6 @@ class _Head(Cost):
 
 
 _head_decoder = msgspec.json.Decoder(_Head)
-_cost_decoder = msgspec.json.Decoder(Cost)
 
 
 class Head(NamedTuple):
@@ -133,15 +107,6 @@ class Head(NamedTuple):
     #: What cache-aware routing reads (SPEC §14), and what the key's budgets reserve
     #: (``prompt.reservation()``, worked out only for a key with a budget).
     prompt: Cost
-
-
-def reservation_of(body: bytes | str) -> int:
-    """The tokens to reserve for a body the relay did not read with :func:`read_head`
-    (a batch line); 0 when it is not a JSON object."""
-    try:
-        return _cost_decoder.decode(body).reservation()
-    except (msgspec.DecodeError, RecursionError):
-        return 0
 
 
 class ClientGone(Exception):
