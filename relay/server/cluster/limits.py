@@ -159,14 +159,15 @@ class RedisLimitStore:
             _unless_cancelled(exc)
             raise LimitStoreUnavailable(str(exc) or type(exc).__name__) from exc
         except asyncio.CancelledError:
-            # The script may have run: give the slot and reservation back either way.
-            self.finish(key_id, counted, 0, at, reserving)
+            if counted or reserving:  # the script may have run: give back either way
+                self.finish(key_id, counted, 0, at, reserving)
             raise
         if code == 0:
             try:
                 _unless_cancelled()
             except asyncio.CancelledError:
-                self.finish(key_id, counted, 0, at, reserving)
+                if counted or reserving:
+                    self.finish(key_id, counted, 0, at, reserving)
                 raise
             return None
         self._unhold(key_id, counted, reserving)
