@@ -436,6 +436,23 @@ async def test_a_client_that_leaves_after_the_last_event_cancels_nothing_and_is_
         assert (await second.response())[0] == 200
 
 
+async def test_a_completion_that_does_not_come_within_the_grace_is_cancelled(provider, settings):
+    settings.STREAM_END_GRACE_SECS = 0.05
+    async with FakeWorker() as worker:
+        await worker.register()
+        call = await post(body=chat(stream=True))
+        request = await worker.expect(protocol.Request)
+        await worker.chunk(request.request_id, "data: [DONE]\n\n")
+        await call.start()
+        await call.chunk()
+        await call.comm.send_input({"type": "http.disconnect"})
+        cancel = await worker.expect(protocol.Cancel)
+        assert cancel == protocol.Cancel(request_id=request.request_id, reason="client_disconnect")
+        await call.finished()
+        assert relay().stats.left_after_end == 1 and total_load() == 0
+        assert dict(relay().stats.by_outcome) == {"cancelled": 1}
+
+
 @pytest.mark.parametrize(("path", "before", "last"), LAST_EVENTS)
 async def test_a_client_that_leaves_before_the_last_event_still_cancels(
     provider, path, before, last
