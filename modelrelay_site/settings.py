@@ -187,8 +187,9 @@ CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:
     raise ImproperlyConfigured("CLUSTER_TICK_SECS must be positive and below CLUSTER_TTL_SECS")
-#: With Redis: a server process's per-key concurrency slots stop counting this long
-#: after it stopped renewing them (it died), so they never leak (docs/OPERATIONS.md).
+#: With Redis: a server process's per-key concurrency slots and token reservations stop
+#: counting this long after it stopped renewing them (it died), so they never leak
+#: (docs/OPERATIONS.md).
 LIMITS_LEASE_SECS = env_float("LIMITS_LEASE_SECS", 15.0)
 if REDIS_URL:
     CHANNEL_LAYERS = {
@@ -239,6 +240,9 @@ MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 32 * MIB, minimum=1024)
 STREAM_BUFFER_BYTES = env_int("STREAM_BUFFER_BYTES", 4 * MIB, minimum=1024)
 STREAM_BUFFER_TOTAL_BYTES = env_int("STREAM_BUFFER_TOTAL_BYTES", 256 * MIB, minimum=1024)
 STALL_TIMEOUT_SECS = env_float("STALL_TIMEOUT_SECS", 60.0)
+# A streaming client that leaves after the stream's last event ([DONE], message_stop,
+# response.completed) does not cancel it: its completion and usage are waited for this long.
+STREAM_END_GRACE_SECS = env_float("STREAM_END_GRACE_SECS", 5.0, positive=False)
 # The routes forwarded to workers by the body's model (relay/core/routes.py):
 # "default", "/path", "/path=anthropic", "-/path". Checked here so a typo stops the start.
 RELAY_ROUTES = env_list("RELAY_ROUTES", [])

@@ -25,6 +25,7 @@ Behaviour is set by attributes (defaults for every request) or per request by a
 forced status and error body, delays before the first byte and per token,
 ``stepped`` (each write waits for :meth:`FakeUpstream.release`), a multi-byte
 UTF-8 character split across two writes, chunked or close-delimited framing, a
+stream whose body ends a while after its last event (``end_delay``, ``hold_end``), a
 stream broken off mid-way, ``hang`` (answer nothing until the client leaves), or
 ``padding`` (a large SSE comment before every event: a big stream in few writes),
 ``line_ending`` (LF, CRLF or CR throughout a stream) and ``blank_apart`` (each event's
@@ -99,6 +100,11 @@ class Mock(msgspec.Struct, forbid_unknown_fields=True):
     #: Each event's closing blank line is a write of its own (after the event's last
     #: line and its ending); with ``stepped``, each waits for its own release.
     blank_apart: bool = False
+    #: A stream's body ends this long after its last event (the worker's completion
+    #: comes that much later), or, with ``hold_end``, once :meth:`FakeUpstream.release`
+    #: lets it.
+    end_delay: float = 0.0
+    hold_end: bool = False
 
 
 class _Body(msgspec.Struct):
@@ -474,6 +480,10 @@ class FakeUpstream:
                 await writer.drain()
             if token_delay > 0 and index < len(events) - 1:
                 await asyncio.sleep(token_delay)
+        if mock.hold_end:
+            await self._steps.acquire()
+        if mock.end_delay > 0:
+            await asyncio.sleep(mock.end_delay)
         if framing == "chunked":
             writer.write(b"0\r\n\r\n")
             await writer.drain()

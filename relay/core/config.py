@@ -37,6 +37,9 @@ class RelayConfig:
     stream_buffer_total_bytes: int = 256 * MIB
     #: A client that takes nothing for this long while its response waits is cut off.
     stall_timeout: float = 60.0
+    #: A stream's client that left after its last event does not cancel it: the request
+    #: waits this long at most for its completion (and usage) before it is cancelled.
+    stream_end_grace: float = 5.0
     model_memory: float = 600.0
     drain_timeout: float = 300.0
     shutdown_grace: float = 30.0

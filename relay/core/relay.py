@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from relay.core.dispatch import Dispatcher
 from relay.core.registry import next_worker_id, routable, sanitize_models
-from relay.core.state import Completion, RelayRequest, Worker, WorkerLink
+from relay.core.state import Completion, Phase, RelayRequest, Worker, WorkerLink
 from relay.wire import protocol
 from relay.wire.errors import SlowClient, StreamTooLarge, WorkerFailed
 
@@ -171,6 +171,8 @@ class Relay(Dispatcher):
     def _take_chunk(
         self, worker: Worker, request: RelayRequest, data: bytes, text: str | None
     ) -> None:
+        if request.detached:
+            return  # its client left after the last event: these bytes reach nobody
         size = len(data)
         request.streamed_bytes += size
         if request.streamed_bytes > self.config.max_stream_bytes:
@@ -397,6 +399,42 @@ class Relay(Dispatcher):
             worker.name,
             extra={"request_id": request_id},
         )
+
+    # ------------------------------------------------------------------ clients
+
+    def detach(self, request: RelayRequest) -> None:
+        """The client of a stream left after the stream's last event reached it (the edge
+        saw it go by, :class:`relay.wire.sse.StreamEnd`): it cancelled nothing.
+
+        The backend generates nothing more, and the worker's completion, with the usage,
+        is on its way: the request stays in flight, its worker not told, until that
+        completion ends it as usual (``ok``, its tokens charged). If the completion has
+        not come within ``stream_end_grace`` seconds, the request is cancelled as a client
+        disconnect; its deadline stands if it comes first. Idempotent; an ended request
+        is left alone, and one not in flight is cancelled.
+        """
+        if request.phase is not Phase.ASSIGNED:
+            self.cancel(request, "client_disconnect")
+            return
+        if request.detached:
+            return
+        request.detached = True
+        self.stats.left_after_end += 1
+        grace_ends = self.loop.time() + self.config.stream_end_grace
+        if grace_ends < request.deadline:
+            if request.timer is not None:
+                request.timer.cancel()
+            request.timer = self.loop.call_at(grace_ends, self._detached_too_long, request)
+
+    def _detached_too_long(self, request: RelayRequest) -> None:
+        request.timer = None
+        logger.info(
+            "no completion for %s within %gs of its client leaving after the end; cancelling it",
+            request.id,
+            self.config.stream_end_grace,
+            extra={"request_id": request.id},
+        )
+        self.cancel(request, "client_disconnect")
 
     # ------------------------------------------------------------------ operations
 

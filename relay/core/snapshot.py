@@ -125,6 +125,7 @@ def stats(relay: Relay) -> dict[str, Any]:
                 1 for w in relay.registry.workers.values() for r in w.in_flight.values() if r.paused
             ),
             "pauses": s.pauses,
+            "left_after_end": s.left_after_end,
         },
     }
 

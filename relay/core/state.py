@@ -76,6 +76,7 @@ class RelayRequest:
         "created_wall",
         "deadline",
         "delivered",
+        "detached",
         "endpoint_path",
         "enqueued_at",
         "finished_at",
@@ -162,6 +163,9 @@ class RelayRequest:
         #: True once any byte of the response was handed to the client side; from
         #: then on the request can never be requeued (it would duplicate output).
         self.delivered = False
+        #: True once its client left after the stream's last event reached it: kept in
+        #: flight for its completion (:meth:`relay.core.relay.Relay.detach`).
+        self.detached = False
         self.streamed_bytes = 0
         #: Streamed bytes pushed to the edge and not yet written to the client.
         self.pending = 0

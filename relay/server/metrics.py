@@ -78,6 +78,12 @@ class RelayCollector(Collector):
             cancels.add_metric([reason], count)
         yield cancels
         yield CounterMetricFamily(
+            "modelrelay_streams_left_after_end",
+            "Streams whose client left after their last event (data: [DONE], message_stop, "
+            "response.completed): not cancelled, finished when their completion came.",
+            value=stats.left_after_end,
+        )
+        yield CounterMetricFamily(
             "modelrelay_requeues",
             "Requests put back in the queue after losing their worker.",
             value=stats.requeues,

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -69,6 +70,7 @@ def relay_config() -> RelayConfig:
         stream_buffer_bytes=s.STREAM_BUFFER_BYTES,
         stream_buffer_total_bytes=s.STREAM_BUFFER_TOTAL_BYTES,
         stall_timeout=s.STALL_TIMEOUT_SECS,
+        stream_end_grace=s.STREAM_END_GRACE_SECS,
         aliases=dict(s.MODEL_ALIASES),
         model_memory=s.MODEL_MEMORY_SECS,
         drain_timeout=s.DRAIN_TIMEOUT_SECS,
@@ -225,9 +227,13 @@ class Runtime:
         limits = self.key_limits(key_id)
         return classes.resolve(wanted, limits.default_class, limits.max_class)
 
-    async def admit(self, key_id: int, model: str) -> Ticket:
-        """Check the key's limits for one request (SPEC §13); raises the error to send."""
-        return await self.limiter.admit(key_id, self.key_limits(key_id), model)
+    async def admit(self, key_id: int, model: str, cost: Callable[[], int] | None = None) -> Ticket:
+        """Check the key's limits for one request (SPEC §13); raises the error to send.
+        ``cost()`` says what it may cost (:func:`relay.core.limits.reservation`): called,
+        and reserved, only when the key has a token budget."""
+        limits = self.key_limits(key_id)
+        tokens = cost() if cost is not None and limits.budgeted else 0
+        return await self.limiter.admit(key_id, limits, model, tokens)
 
     def _charge_placed(self, record: RequestRecord) -> None:
         """Request observer (cluster mode): a request another process admitted ran on

@@ -71,7 +71,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
     ticket = None
     if key_id is not None:
         try:  # the key's limits (SPEC §13): one Redis round trip at most
-            ticket = await rt.admit(key_id, model)
+            ticket = await rt.admit(key_id, model, head.prompt.reservation)
         except RelayError as err:
             relay.record_rejection(err, model, path, stream, key_id)
             tracing.rejected(trace, err.status, err.outcome, model)
