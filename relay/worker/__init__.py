@@ -5,8 +5,8 @@ relay), ``outbox`` (the frames it writes), ``backend`` (discovery and forwarding
 the local inference server), ``pool`` (the keep-alive HTTP/1.1 connections requests
 are forwarded on), ``connection`` (one of them) with ``http1`` (their message syntax,
 read by llhttp), ``network`` (the discovery client's sockets), ``usage`` (token
-counts read from backend responses), ``streamend`` (whether a stream reached its last
-event), ``modelhost`` (what a backend that loads models on demand offers; one module
+counts read from backend responses) with ``stripper`` (the usage event a client did not
+ask for, left out), ``modelhost`` (what a backend that loads models on demand offers; one module
 per kind: ``llamarouter``, ``llamaswap``, ``ollama``, ``vllm``; ``recognition`` picks one),
 ``tracker`` (their models' states, kept current), ``operations`` (their loads and
 unloads) and ``announcer`` (one connection's side of it). Shipped to GPU boxes, bundled

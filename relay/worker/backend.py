@@ -24,14 +24,13 @@ from relay import __version__
 from relay.wire.errors import Flavor, WorkerFailed, describe, error_body
 from relay.wire.headers import DROPPED_RESPONSE_HEADERS
 from relay.wire.protocol import Request, ResponseComplete
-from relay.wire.sse import error_event
+from relay.wire.sse import StreamEnd, error_event
 from relay.worker import network
 from relay.worker.config import Config
 from relay.worker.connection import BackendConnection, BodyTooLarge, NoAnswer
 from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
 from relay.worker.pool import ConnectionPool
-from relay.worker.streamend import StreamEnd
 from relay.worker.stripper import UsageStripper
 from relay.worker.usage import USAGE_ON_REQUEST, UsageScanner, ask_for_usage
 
@@ -72,7 +71,7 @@ class BackendUnreached(Exception):
 
 class StreamCut(Exception):
     """A streamed answer's body ended cleanly but without the API's last event: the
-    backend stopped it short (:mod:`relay.worker.streamend`)."""
+    backend stopped it short (:class:`relay.wire.sse.StreamEnd`)."""
 
 
 #: Failures opening a connection: nothing was sent, nothing listens.
@@ -396,7 +395,7 @@ class Backend:
             content_type = resp.get("content-type")
             is_json = "json" in content_type.lower()
             if request.is_streaming and 200 <= resp.status < 300 and not is_json:
-                end = StreamEnd(request.endpoint_path)
+                end = StreamEnd.for_endpoint(request.endpoint_path)
                 if request.endpoint_path in USAGE_ON_REQUEST:
                     scanner.estimate(len(request.body))
                     kind = _Forwarder if asked is None else _StrippingForwarder
@@ -412,7 +411,7 @@ class Backend:
                 scanner.finish()
                 if scanner.timings:
                     self.reports_timings = True
-                if not end.reached:
+                if not end.seen:
                     raise StreamCut()
                 return ResponseComplete(
                     request_id=rid,

@@ -16,7 +16,7 @@ What the worker reads and calls (llama.cpp ``tools/server/server-models.cpp``):
   least recently used model) or asked to exit; 400 "model is already running" / "model
   is not running" when there is nothing to do. A child that does not exit within the
   preset's ``stop-timeout`` (10 s) is killed: a stream it was writing ends cleanly after
-  a bare ``proxy error: …`` line (see :mod:`relay.worker.streamend`);
+  a bare ``proxy error: …`` line (see :class:`relay.wire.sse.StreamEnd`);
 - ``GET /slots?model=NAME&autoload=false`` wakes a model its server put to sleep
   (``--sleep-idle-seconds``; state ``sleeping``): a load of a sleeping model asks it;
 - ``GET /models/sse``: ``data: {"model", "event", "data"}`` per change (status changes,

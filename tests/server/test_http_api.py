@@ -390,7 +390,7 @@ LAST_EVENTS = [
     ("/v1/chat/completions", 'data: {"c":"data: [DONE]"}\n\n', "data: [DONE]\n\n"),
     (
         "/v1/messages",
-        'event: message_delta\ndata: {"type":"message_stop"}\n\n',
+        'event: message_delta\ndata: {"type":"message_delta","text":"message_stop"}\n\n',
         'event: message_stop\ndata: {"type":"message_stop"}\n\n',
     ),
     (

@@ -55,12 +55,20 @@ def test_any_line_break_starts_a_line_and_so_does_the_stream_itself(eol):
     assert fed("responses", b"\nevent: response.failed\ndata: {}\n\n") == [True]
 
 
+def test_an_event_that_names_its_type_only_in_its_json_ends_the_stream_too():
+    # Backends that send no ``event:`` lines: the data line's type says it.
+    assert fed("anthropic", b'data: {"type":"message_stop"}\n\n') == [True]
+    assert fed("responses", b'data: {"type": "response.incomplete", "x": 1}\n\n') == [True]
+    assert fed("anthropic", b'data: {"ty', b'pe":"message_stop"}\n\n') == [False, True]
+
+
 def test_a_marker_inside_a_payload_or_a_field_is_not_the_end():
     # Text a model wrote: inside a JSON string a line break is escaped, never raw.
     text = b'data: {"delta":"see\\ndata: [DONE]\\n and data: [DONE]"}\n\n'
     assert fed("openai", text, text) == [False, False]
-    # Anthropic's data line names the same event: only the event line counts.
-    assert fed("anthropic", b'data: {"type":"message_stop"}\n\n') == [False]
+    # A type named inside a string a model wrote is escaped: not the end.
+    assert fed("anthropic", b'data: {"text":"{\\"type\\":\\"message_stop\\"}"}\n\n') == [False]
+    assert fed("responses", b'data: {"d":"\\"type\\": \\"response.completed\\""}\n\n') == [False]
     assert fed("anthropic", b"event: message_start\n", b"xevent: message_stop\n") == [
         False,
         False,

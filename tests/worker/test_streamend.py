@@ -1,4 +1,4 @@
-"""Whether a stream reached its API's last event (``relay.worker.streamend``), and the
+"""Whether a stream reached its API's last event (``relay.wire.sse.StreamEnd``), and the
 worker's answer to a backend that ends a stream cleanly but short: the endpoint's error
 event and a 502, for every API, through the real worker and a raw backend."""
 
@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from relay.wire.protocol import ResponseChunk
-from relay.worker.streamend import StreamEnd
+from relay.wire.sse import StreamEnd
 from tests.stall import STALL_BUDGET_MS, LoopStalls
 from tests.upstream import _events
 from tests.worker.test_worker import CHAT, MESSAGES, RESPONSES, FakeRelay, config, running
@@ -25,28 +25,28 @@ def whole(path: str) -> bytes:
 def test_a_whole_stream_reaches_its_end_however_it_is_cut_into_reads(path: str) -> None:
     stream = whole(path)
     for cut in range(1, len(stream)):
-        end = StreamEnd(path)
+        end = StreamEnd.for_endpoint(path)
         end.feed(stream[:cut])
         end.feed(stream[cut:])
-        assert end.reached, cut
+        assert end.seen, cut
     for size in (1, 7):
-        end = StreamEnd(path)
+        end = StreamEnd.for_endpoint(path)
         for i in range(0, len(stream), size):
             end.feed(stream[i : i + size])
-        assert end.reached
+        assert end.seen
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_a_stream_without_its_last_event_does_not(path: str) -> None:
     events = _events(path, "m", tokens=3, prompt=2, include_usage=False)
-    end = StreamEnd(path)
+    end = StreamEnd.for_endpoint(path)
     for event in events[:-1] if path != CHAT and path != "/v1/completions" else events[:-2]:
         end.feed(event)
-    assert not end.reached
+    assert not end.seen
 
 
 def test_it_knows_whether_the_stream_ended_between_events() -> None:
-    end = StreamEnd("/v1/audio/stream")  # whether or not its end is checked
+    end = StreamEnd.for_endpoint("/v1/audio/stream")  # whether or not its end is checked
     assert end.between_events
     end.feed(b"data: {}\n")
     assert not end.between_events
@@ -59,18 +59,18 @@ def test_it_knows_whether_the_stream_ended_between_events() -> None:
 
 
 def test_other_endpoints_are_not_checked() -> None:
-    assert StreamEnd("/v1/audio/speech").reached
-    assert not StreamEnd.checks("/v1/embeddings") and StreamEnd.checks(CHAT)
+    assert StreamEnd.for_endpoint("/v1/audio/speech").seen
+    assert StreamEnd.for_endpoint("/v1/embeddings").seen and not StreamEnd.for_endpoint(CHAT).seen
 
 
 async def test_checking_a_large_stream_costs_no_loop_stall() -> None:
-    end = StreamEnd(RESPONSES)
+    end = StreamEnd.for_endpoint(RESPONSES)
     read = b'data: {"type":"response.output_text.delta","delta":"' + b"x" * 65_000 + b'"}\n\n'
     async with LoopStalls() as stalls:
         for _ in range(50):
             end.feed(read)
             await asyncio.sleep(0)
-    assert not end.reached
+    assert not end.seen
     assert stalls.longest_ms < STALL_BUDGET_MS
 
 
