@@ -28,6 +28,7 @@ from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server import store
+from relay.server.accesslog import AccessLog
 from relay.server.batches.engine import BatchEngine
 from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster.control import TROUBLE as CLUSTER_TROUBLE
@@ -140,6 +141,9 @@ class Runtime:
                 self.batches.observe,
             ]
         )
+        if settings.ACCESS_LOG:
+            access = AccessLog(self.keys, json_lines=settings.LOG_FORMAT == "json")
+            self.relay.observers.append(access.observe)
         #: OpenTelemetry traces (SPEC §17): None unless OTEL_* turns them on.
         self.tracing: Tracing | None = tracing_from_environment()
         self.relay.tracer = self.tracing
