@@ -6,10 +6,11 @@ failed by the backend, cancelled by its client — and of every request refused 
 admission (bad body, unknown model, a key over its limits). On the event loop it only
 names the request's key and puts the record in a bounded queue; one thread of the
 process turns the queued records into lines of the ``relay.access`` logger (INFO,
-formatted by ``LOG_FORMAT`` like every other line), so neither building the line nor a
-slow log stream ever holds up the loop relaying tokens. When the thread falls more
-than :data:`MAX_PENDING` lines behind, new lines are dropped and counted, and the
-next line written says how many.
+formatted by ``LOG_FORMAT`` like every other line), so the loop relaying tokens
+neither builds the lines nor waits on a slow log stream: every :data:`BATCH_SECS` the
+thread writes what gathered, to a stream in one write. When it falls more than
+:data:`MAX_PENDING` lines behind, new lines are dropped and counted, and the next
+batch says how many.
 
 A line carries: ``method`` and ``path`` (the API routes take POST; a 405 refusal's
 method is not recorded, ``-``), ``status``, ``outcome``, ``model``, ``key`` (its name,
@@ -186,24 +187,20 @@ class _Writer:
             if not self._closing:
                 time.sleep(BATCH_SECS)  # let the burst gather
             self._wake.clear()
+            entries = []
             while pending:
                 try:
-                    self._write(*pending.popleft())
+                    entries.append(self._entry(*pending.popleft()))
                 except Exception:  # a bad line must not end the log
                     logging.getLogger("relay.runtime").exception("access log line failed")
+            if entries and logger.isEnabledFor(logging.INFO):
+                self._emit(entries)
             if self._closing:
                 return
 
-    def _write(self, record: RequestRecord, key: str | None, ended: float, as_json: bool) -> None:
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        dropped = self.dropped
-        if dropped > self._said:
-            logger.warning(
-                "access log: %d lines dropped (requests ended faster than the log was written)",
-                dropped - self._said,
-            )
-            self._said = dropped
+    def _entry(
+        self, record: RequestRecord, key: str | None, ended: float, as_json: bool
+    ) -> logging.LogRecord:
         line = fields(record, key)
         if as_json:
             message = f"{line['method']} {line['path']} {line['status']} {line['outcome']}"
@@ -214,7 +211,40 @@ class _Writer:
         entry.__dict__.update(extra)
         entry.created = ended
         entry.msecs = (ended - int(ended)) * 1000
-        logger.handle(entry)
+        return entry
+
+    def _emit(self, entries: list[logging.LogRecord]) -> None:
+        """Hand a batch of lines to the access logger's handlers: to a stream in one
+        write (a system call is where the GIL changes threads: once per batch, not per
+        line), to any other handler (or a logger that propagates) line by line."""
+        dropped = self.dropped
+        if dropped > self._said:
+            entries.insert(0, self._dropped_entry(dropped - self._said))
+            self._said = dropped
+        handlers = logger.handlers
+        streams = [h for h in handlers if isinstance(h, logging.StreamHandler) and h.stream]
+        if logger.propagate or len(streams) != len(handlers):
+            for entry in entries:
+                logger.handle(entry)
+            return
+        for handler in streams:
+            kept = [e for e in entries if e.levelno >= handler.level and handler.filter(e)]
+            if not kept:
+                continue
+            try:
+                text = "".join(handler.format(e) + handler.terminator for e in kept)
+                with handler.lock:  # type: ignore[union-attr]  # made by Handler.__init__
+                    handler.stream.write(text)
+                    handler.flush()
+            except Exception:
+                handler.handleError(kept[0])
+
+    @staticmethod
+    def _dropped_entry(count: int) -> logging.LogRecord:
+        message = (
+            f"access log: {count} lines dropped (requests ended faster than the log was written)"
+        )
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, message, (), None)
 
 
 _shared: _Writer | None = None
