@@ -28,8 +28,9 @@ rendering process has not seen yet counts from its first sample), whatever the
 workers' names. The later family is left out of the exposition while the first one is
 served; its worker is told (``metrics_rejected``) and it is counted per worker in
 ``modelrelay_worker_metrics_type_conflicts``. The relay's own names are held for it.
-A sample that does not parse, or holds a type the text format does not have (``info``,
-``stateset``, ...), is dropped and its worker told, like one over the bounds.
+A sample that does not parse, or holds a type or a name the text format does not have
+(``info``, ``stateset``, ...; a quoted name such as ``"a.b"``), is dropped and its
+worker told, like one over the bounds.
 
 In cluster mode each process serves the series of the workers connected to it:
 scrape every process (docs/CLUSTER.md).
@@ -40,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import re
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -142,9 +144,10 @@ def held_names(identity: Identity) -> tuple[str, ...]:
 
 def labelled(worker_id: str, worker: str, provider: str, text: str) -> list[Metric]:
     """Parse ``text`` and add the relay's labels to every series (raises ValueError,
-    also for a family of a type the text format does not have)."""
+    also for a type or a name the text format does not have)."""
     added = {"worker": worker, "worker_id": worker_id, "provider": provider}
     families: list[Metric] = []
+    checked: set[str] = set()
     for family in text_string_to_metric_families(text):
         if family.type not in SUFFIXES:
             # The parser takes OpenMetrics' types too, which render under other names
@@ -152,14 +155,32 @@ def labelled(worker_id: str, worker: str, provider: str, text: str) -> list[Metr
             raise ValueError(f"family {family.name[:100]!r} of type {family.type!r}")
         if not family.samples:
             continue  # a type line alone: nothing to serve, so it holds no names
+        _check_name(family.name, _METRIC_NAME, checked)
         series = []
         for s in family.samples:
+            _check_name(s.name, _METRIC_NAME, checked)
+            for name in s.labels:
+                _check_name(name, _LABEL_NAME, checked)
             labels = {(f"exported_{k}" if k in added else k): v for k, v in s.labels.items()}
             labels.update(added)
             series.append(s._replace(labels=labels))
         family.samples = series
         families.append(family)
     return families
+
+
+#: The names of the Prometheus text format. The parser also takes quoted UTF-8 names,
+#: which the exposition writes escaped (``a.b`` as ``a_b``): two of them could then
+#: be one name, two families or two labels of a series made one.
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _check_name(name: str, pattern: re.Pattern[str], checked: set[str]) -> None:
+    if name not in checked:
+        if pattern.fullmatch(name) is None:
+            raise ValueError(f"{name[:100]!r} is not a name of the Prometheus text format")
+        checked.add(name)
 
 
 @dataclass(slots=True)

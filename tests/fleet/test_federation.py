@@ -257,6 +257,21 @@ def test_a_new_rendering_process_serves_the_family_of_the_worker_that_began_firs
     federation_module._parsed.clear()
 
 
+async def test_a_quoted_name_the_exposition_would_write_escaped_does_not_parse() -> None:
+    fed = federation()
+    fed.receive("w-1", "gpu-a", "local", MetricsSample(text="# TYPE a_b gauge\na_b 1\n"))
+    hostile = [
+        '# TYPE "a.b" counter\n{"a.b"} 2\n',  # written as a_b_total, read back as a_b
+        '{"x", "l.b"="1", l_b="2"} 1\n',  # one series with two labels named l_b
+    ]
+    for n, text in enumerate(hostile, start=2):
+        fed.receive(f"w-{n}", f"000-{n}", "local", MetricsSample(text=text))
+    body, told = await fed.render()
+    assert sorted(w for w, _ in told) == ["w-2", "w-3"]
+    assert all("not a name of the Prometheus text format" in r.reason for _, r in told)
+    assert {s[0] for s in of_worker(exposition(body), "w-1")} == {"a_b"}
+
+
 async def test_a_family_of_a_type_the_text_format_does_not_have_does_not_parse() -> None:
     fed = federation()
     for n, kind in enumerate(("info", "stateset", "gaugehistogram")):
