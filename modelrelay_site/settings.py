@@ -345,6 +345,10 @@ if LOG_FORMAT not in ("text", "json"):
 
     raise ImproperlyConfigured(f"LOG_FORMAT must be text or json; got {LOG_FORMAT!r}")
 
+# One line per finished or refused request (relay.server.accesslog), logger
+# relay.access at INFO whatever LOG_LEVEL says; false: none.
+ACCESS_LOG = env_bool("ACCESS_LOG", True)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -368,5 +372,8 @@ LOGGING = {
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
         "django.channels.server": {"level": "WARNING"},
+        # Written by a thread of its own (relay.server.accesslog), through the same
+        # handler as every other line so that lines never interleave.
+        "relay.access": {"handlers": ["console"], "level": "INFO", "propagate": False},
     },
 }

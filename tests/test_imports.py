@@ -170,6 +170,7 @@ SERVER_PARTS: dict[str, set[str]] = {
     "bookkeeper": set(),
     "metrics": set(),
     "federation": set(),
+    "accesslog": set(),
     "tracing": set(),
     "cors": set(),
     "runtime": {
@@ -178,6 +179,7 @@ SERVER_PARTS: dict[str, set[str]] = {
         "bookkeeper",
         "metrics",
         "federation",
+        "accesslog",
         "tracing",
         "cors",
         "batches",

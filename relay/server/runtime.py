@@ -29,6 +29,7 @@ from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server import store
+from relay.server.accesslog import AccessLog
 from relay.server.batches.engine import BatchEngine
 from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster.control import TROUBLE as CLUSTER_TROUBLE
@@ -146,6 +147,9 @@ class Runtime:
                 self.batches.observe,
             ]
         )
+        if settings.ACCESS_LOG:
+            access = AccessLog(self.keys, json_lines=settings.LOG_FORMAT == "json")
+            self.relay.observers.append(access.observe)
         #: OpenTelemetry traces (SPEC §17): a NullTracing unless OTEL_* turns them on.
         self.tracing: EdgeTracer = tracing_from_environment(
             clock=loop.time, keys=self.keys, trust_incoming=settings.OTEL_TRUST_INCOMING

@@ -382,9 +382,10 @@
       const done = b.succeeded + b.errored + b.canceled + b.expired;
       const failed = b.errored + b.canceled + b.expired;
       const pct = b.total ? Math.min(100, Math.round((100 * done) / b.total)) : 0;
-      const status = b.status.replace(/_/g, " ");
+      // As the batch's own API says it (Message Batches: in_progress, canceling, ended).
+      const status = (b.api_status || b.status).replace(/_/g, " ");
       const active = ["validating", "in_progress", "finalizing", "cancelling"].includes(b.status);
-      return el("tr", { "data-batch-id": b.id, "data-status": b.status }, [
+      return el("tr", { "data-batch-id": b.id, "data-status": b.status, "data-api-status": b.api_status }, [
         el("td", {}, [el("div", { class: "strong mono small", text: b.id }),
           el("div", { class: "muted small", text: b.api === "anthropic" ? "Anthropic" : "OpenAI" })]),
         el("td", { class: "small hide-sm", text: b.key || "–" }),
@@ -403,12 +404,24 @@
 
   // ---------------------------------------------------------------- recent requests
 
+  // Its priority class, and how often a higher class took its slot: batch lines run
+  // as flex and are the first preempted.
+  function classCell(r) {
+    const parts = [el("span", { class: "badge class-" + r.class, text: r.class })];
+    if (r.preemptions) {
+      parts.push(el("span", { class: "muted small", title: "lost its slot to a higher class " + r.preemptions + " time(s)",
+        text: " preempted ×" + r.preemptions }));
+    }
+    return el("td", { class: "hide-sm nowrap", "data-class": r.class, "data-preemptions": r.preemptions }, parts);
+  }
+
   function renderRecent(snap) {
     const tbody = document.querySelector("#recent tbody");
-    tbody.replaceChildren(...snap.recent.map((r) => el("tr", { "data-request-id": r.request_id }, [
-      el("td", { class: "mono small", text: fmtClock(r.at) }),
+    tbody.replaceChildren(...snap.recent.map((r) => el("tr", { "data-request-id": r.request_id, "data-ended-at": r.ended_at }, [
+      el("td", { class: "mono small", title: "arrived " + fmtClock(r.at), text: fmtClock(r.ended_at) }),
       el("td", { class: "strong", text: r.model || "–" }),
       el("td", { class: "small hide-sm", text: r.key || "–" }),
+      r.request_id ? classCell(r) : el("td", { class: "hide-sm muted", text: "–" }), // refused: never queued
       el("td", { class: "mono small hide-sm", text: r.endpoint }),
       el("td", { class: "hide-sm", text: r.worker || "–" }),
       el("td", {}, [el("span", { class: "badge status-" + statusClass(r), title: r.outcome.replace(/_/g, " ") }, [
