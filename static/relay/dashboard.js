@@ -118,8 +118,19 @@
   function workerCells(w, snapAt) {
     const pct = w.max_concurrent ? Math.min(100, Math.round((100 * w.load) / w.max_concurrent)) : 0;
     const since = snapAt - w.connected_secs;
+    // Models on demand (SPEC §19): each model's state on this worker, with its loads.
+    const states = new Map((w.model_states || []).map((s) => [s.model, s]));
+    const chip = (m) => {
+      const s = states.get(m);
+      if (!s) return el("span", { class: "chip", text: m });
+      const title = s.state + " · " + fmtInt(s.loads) + " loads, " + fmtInt(s.unloads) + " unloads"
+        + (s.last_load_secs == null ? "" : " · last load " + s.last_load_secs.toFixed(2) + " s")
+        + (s.waited_for_load ? " · " + fmtInt(s.waited_for_load) + " requests waited for a load" : "");
+      return el("span", { class: "chip chip-" + (s.state || "unknown"), "data-model-state": s.state,
+        title, text: s.state === "loaded" ? m : m + " · " + (s.state || "?") });
+    };
     const models = el("div", { class: "chips" },
-      w.models.length ? w.models.map((m) => el("span", { class: "chip", text: m }))
+      w.models.length ? w.models.map(chip)
         : [el("span", { class: "muted", text: "no models" })]);
     const state = w.draining
       ? el("span", { class: "badge badge-warn", "data-state": "draining", text: "Draining" })
@@ -166,8 +177,10 @@
       if (!row) row = el("tr", { "data-worker-id": w.id });
       // Rebuild a row only when what it shows changed (the connected-for time is updated
       // in place), so buttons are not swapped under the pointer every second.
-      const signature = JSON.stringify([w.name, w.provider, w.models, w.load, w.max_concurrent,
-        w.draining, w.backend_error, w.requests_served, pending.get(w.id) || ""]);
+      const modelStates = (w.model_states || []).map((m) => [m.model, m.state, m.loads, m.unloads]);
+      const signature = JSON.stringify([w.name, w.provider, w.models, modelStates,
+        w.load, w.max_concurrent, w.draining, w.backend_error, w.requests_served,
+        pending.get(w.id) || ""]);
       if (row.dataset.signature !== signature) {
         row.replaceChildren(...workerCells(w, snap.at));
         row.dataset.signature = signature;

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -687,3 +688,31 @@ async def _wide_flow(server: LiveServer, browser: Any) -> None:
     finally:
         await box.close()
     await page.context.close()
+
+
+async def test_the_dashboard_shows_each_models_state_as_the_relay_loads_it(server, browser):
+    from playwright.async_api import expect
+
+    from relay.wire.protocol import LOADABLE, LOADED
+    from tests.statesworker import StatesWorker
+
+    with server_log_on_failure(server):
+        page = await new_page(browser)
+        await page.goto(server.url + "/dashboard")
+        await log_in(page)
+        await page.wait_for_url(server.url + "/dashboard")
+        states = {"on-demand-a": LOADED, "on-demand-b": LOADABLE}
+        async with StatesWorker(server, states, capacity=1, name="router-box") as box:
+            a = page.locator('#workers [data-model-state]:has-text("on-demand-a")')
+            b = page.locator('#workers [data-model-state]:has-text("on-demand-b")')
+            await expect(a).to_have_attribute("data-model-state", LOADED)
+            await expect(b).to_have_attribute("data-model-state", LOADABLE)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                body = {"model": "on-demand-b", "messages": []}
+                assert (await client.post(CHAT, json=body)).status_code == 200
+            # The relay unloaded the idle model to load the one asked for: both live.
+            await expect(b).to_have_attribute("data-model-state", LOADED)
+            await expect(a).to_have_attribute("data-model-state", LOADABLE)
+            await expect(b).to_have_attribute("title", re.compile(r"1 loads"))
+            assert box.ops == [("unload", "on-demand-a"), ("load", "on-demand-b")]
+            await shoot(page, "dashboard-models-on-demand")
