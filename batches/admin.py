@@ -37,7 +37,7 @@ class BatchAdmin(admin.ModelAdmin):
         "status",
         "progress",
         ("total", "succeeded", "errored", "canceled", "expired"),
-        ("input_tokens", "output_tokens"),
+        ("input_tokens", "cached_tokens", "output_tokens"),
         "output_file_id",
         "error_file_id",
         "errors",

@@ -120,6 +120,8 @@ class Batch(models.Model):
     canceled = models.PositiveIntegerField(default=0)
     expired = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
+    #: Of the input tokens, those the backends reused from their prompt cache.
+    cached_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     output_file_id = models.CharField(max_length=64, blank=True)
     error_file_id = models.CharField(max_length=64, blank=True)
@@ -167,6 +169,7 @@ class BatchLine(models.Model):
     request_id = models.CharField(max_length=64, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cached_tokens = models.PositiveIntegerField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -146,7 +146,12 @@ class Answering:
                     continue
                 status, body = answer
                 await self.worker.answer(
-                    message.request_id, body, status, prompt_tokens=3, completion_tokens=2
+                    message.request_id,
+                    body,
+                    status,
+                    prompt_tokens=3,
+                    completion_tokens=2,
+                    cached_tokens=1,
                 )
             elif isinstance(message, protocol.Cancel):
                 self.cancels.append(message)

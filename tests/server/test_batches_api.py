@@ -255,6 +255,7 @@ async def test_a_batch_runs_each_line_once_and_writes_output_and_error_files(wor
     assert done["status"] == "completed"
     assert done["request_counts"] == {"total": 9, "completed": 8, "failed": 1}
     assert done["usage"]["input_tokens"] == 27 and done["usage"]["output_tokens"] == 18
+    assert done["usage"]["input_tokens_details"] == {"cached_tokens": 9}
     for stamp in ("in_progress_at", "finalizing_at", "completed_at"):
         assert done[stamp] >= done["created_at"]
     assert sorted(worker.said()) == sorted(["bad", "s", *(f"l{i}" for i in range(7))])
