@@ -174,9 +174,7 @@ def test_an_expired_batch_ends_its_lines_as_expired():
 
 
 def test_a_batch_cancelled_before_its_validation_ends_cancelled_with_no_line():
-    upload = StoredFile.objects.create(
-        public_id=new_id("file-"), purpose="batch", filename="x", content=b""
-    )
+    upload = StoredFile.objects.create(public_id=new_id("file-"), purpose="batch", filename="x")
     batch = Batch.objects.create(
         public_id=new_id("batch_"),
         endpoint="/v1/chat/completions",

@@ -3,13 +3,17 @@ uploads and their limits, who sees what, validation, how lines run and end."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.utils import timezone
 
+from batches.models import FileChunk, StoredFile
 from keys.services import create_key
 from relay.server import runtime
+from relay.server.batches import lifecycle, store
 from relay.wire import protocol
 from tests.asgikit import FakeWorker, HttpCall, chat, make_provider, until
 from tests.batchkit import (
@@ -27,6 +31,7 @@ from tests.batchkit import (
     upload,
     wait_batch,
 )
+from tests.stall import STALL_BUDGET_MS, LoopStalls
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -104,6 +109,99 @@ async def test_an_upload_declaring_more_than_the_limit_is_refused_before_its_bod
     # Not a byte of the body is sent: the answer comes from the headers alone.
     assert await upload_call.start() == 413
     assert json.loads(await upload_call.read_rest())["error"]["code"] == "request_too_large"
+
+
+# ------------------------------------------------------------------------- stored bytes
+
+
+async def test_an_upload_is_stored_in_chunks_and_read_back_whole(provider, monkeypatch):
+    monkeypatch.setattr(store, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(store, "READ_CHUNKS", 2)
+    data = bytes(range(256)) * 14  # 3584 bytes: three whole chunks and a part
+    uploaded = await upload(data)
+    sizes = await sync_to_async(
+        lambda: [len(d) for d in FileChunk.objects.order_by("index").values_list("data", flat=True)]
+    )()
+    assert sizes == [1000, 1000, 1000, 584]
+    status, raw = await call("GET", f"/v1/files/{uploaded['id']}/content")
+    assert status == 200 and raw == data
+    await call("DELETE", f"/v1/files/{uploaded['id']}")
+    assert await sync_to_async(FileChunk.objects.count)() == 0
+
+
+async def test_a_key_keeps_at_most_its_files_and_bytes_and_one_more_is_refused(provider, settings):
+    settings.BATCH_MAX_FILES_PER_KEY = 3
+    settings.BATCH_MAX_FILE_BYTES_PER_KEY = 1000
+    first = await upload(b"x" * 600)
+    await upload(b"x" * 399)
+    await upload(b"x")  # three files of 1000 bytes in all: the most it may keep
+    # One file more is a 429, in OpenAI's envelope ...
+    body, content_type = multipart(b"y")
+    status, document = await call("POST", "/v1/files", body, content_type=content_type)
+    assert status == 429, document
+    assert document["error"]["code"] == "file_count_exceeded"
+    assert "At most 3 files" in document["error"]["message"]
+    await call("DELETE", f"/v1/files/{first['id']}")
+    # ... one byte more a 413; and a refused upload leaves no row and no byte behind.
+    body, content_type = multipart(b"y" * 601)
+    status, document = await call("POST", "/v1/files", body, content_type=content_type)
+    assert status == 413, document
+    assert document["error"]["code"] == "file_bytes_exceeded"
+    assert "at most 1000 bytes in all (400 in use)" in document["error"]["message"]
+    assert await sync_to_async(StoredFile.objects.count)() == 2
+    assert await sync_to_async(FileChunk.objects.count)() == 2
+    assert (await upload(b"y" * 600))["bytes"] == 600
+
+
+@relay_settings(MODELRELAY_REQUIRE_API_KEYS=True, BATCH_MAX_FILES_PER_KEY=1)
+async def test_each_key_has_its_own_room_and_a_full_one_is_refused_before_the_body(provider):
+    team = await sync_to_async(create_key)("team")
+    lab = await sync_to_async(create_key)("lab")
+    await runtime.current().sync()
+    await upload(b"a", bearer(team.secret))
+    await upload(b"b", bearer(lab.secret))  # the other key's room is its own
+    headers = [*bearer(team.secret), (b"content-length", b"5000")]
+    refused = HttpCall(
+        "POST", "/v1/files", b"", headers, content_type=b"multipart/form-data; boundary=x"
+    )
+    # Not a byte of the body is sent: the key's files are counted first.
+    assert await refused.start() == 429
+    assert json.loads(await refused.read_rest())["error"]["code"] == "file_count_exceeded"
+
+
+async def test_without_keys_every_upload_shares_one_room(provider, settings):
+    settings.BATCH_MAX_FILES_PER_KEY = 1
+    await upload(b"a")
+    body, content_type = multipart(b"b")
+    status, document = await call("POST", "/v1/files", body, content_type=content_type)
+    assert status == 429 and document["error"]["code"] == "file_count_exceeded"
+
+
+async def test_pruning_an_old_upload_deletes_its_bytes(provider):
+    uploaded = await upload(b"x" * 10)
+
+    def age_and_prune() -> int:
+        old = timezone.now() - dt.timedelta(days=31)
+        StoredFile.objects.filter(public_id=uploaded["id"]).update(created_at=old)
+        lifecycle.prune(30)
+        return FileChunk.objects.count() + StoredFile.objects.count()
+
+    assert await sync_to_async(age_and_prune)() == 0
+
+
+async def test_the_largest_upload_never_stalls_the_event_loop(provider, settings):
+    settings.BATCH_FILE_MAX_BYTES = 8 * 1024 * 1024
+    one = json.dumps(line("x" * 1000)).encode() + b"\n"
+    data = one * (settings.BATCH_FILE_MAX_BYTES // len(one))
+    data += b"\n" * (settings.BATCH_FILE_MAX_BYTES - len(data))
+    body, content_type = multipart(data)
+    await upload(b"warm")  # first calls (the application's set-up) out of the measure
+    uploading = HttpCall("POST", "/v1/files", body, content_type=content_type)
+    async with LoopStalls() as stalls:
+        await uploading.send(split=64 * 1024)
+        status, document = await uploading.json(timeout=30)
+    assert status == 200 and document["bytes"] == len(data), document
+    assert stalls.longest_ms < STALL_BUDGET_MS, stalls.longest_ms
 
 
 @pytest.mark.parametrize(

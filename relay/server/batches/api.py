@@ -24,6 +24,7 @@ everyone's. Errors come in the envelope of the API asked (Anthropic's on
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -240,16 +241,23 @@ async def _json_body(scope: Scope, receive: Receive, limit: int) -> Any:
 async def _upload(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any]:
     file_limit = settings.BATCH_FILE_MAX_BYTES
     content_type = upload.check_head(scope["headers"], file_limit)
+    limits = file_limits()
+    # Refused before the body when the owner keeps all it may already (under daphne
+    # the server has read the body by now; the answer is the same).
+    await in_thread(store.check_room, owner, limits, upload.least_file_bytes(scope["headers"]))
     body, size = await upload.spool(receive, file_limit)
+
+    def receive_file(open_file: Callable[[str], upload.Sink]) -> str:
+        return upload.parse(content_type, body, size, file_limit, open_file)
+
     try:
-        received = await in_thread(upload.parse, content_type, body, size, file_limit)
+        return await in_thread(store.create_file, owner, limits, receive_file)
     finally:
         body.close()
-    if received.purpose != store.INPUT_PURPOSE:
-        raise BadRequest("purpose: only 'batch' files are kept here")
-    return await in_thread(
-        store.create_file, owner, received.filename, received.purpose, received.content
-    )
+
+
+def file_limits() -> store.FileLimits:
+    return store.FileLimits(settings.BATCH_MAX_FILES_PER_KEY, settings.BATCH_MAX_FILE_BYTES_PER_KEY)
 
 
 async def _create_openai(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any]:
@@ -326,15 +334,25 @@ async def _file_content(
     send: Send, owner: Owner, file_id: str, cors: list[tuple[bytes, bytes]]
 ) -> None:
     source = await in_thread(store.file_source, owner, file_id)
-    if source.batch_id is None:
-        content = source.content or b""
-        headers = [
-            (b"content-type", b"application/octet-stream"),
-            (b"content-length", str(len(content)).encode()),
-        ]
-        await send_simple(send, 200, headers + cors, content)
+    if source.batch_id is not None:
+        await _stream_lines(send, source.batch_id, source.kind, cors)
         return
-    await _stream_lines(send, source.batch_id, source.kind, cors)
+    # An upload, chunk by chunk as it is read from the store (never held whole).
+    headers = [
+        (b"content-type", b"application/octet-stream"),
+        (b"content-length", str(source.size).encode()),
+    ]
+    headers += SECURITY_HEADERS + cors
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    after = -1
+    while True:
+        chunks = await in_thread(store.file_chunks, source.file_pk, after)
+        if not chunks:
+            break
+        after = chunks[-1][0]
+        for _, data in chunks:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _stream_lines(

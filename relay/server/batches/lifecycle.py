@@ -33,6 +33,7 @@ from batches.models import (
     VALIDATING,
     Batch,
     BatchLine,
+    FileChunk,
     StoredFile,
     claimable,
     new_id,
@@ -80,17 +81,23 @@ def validate_next(token: str, known: frozenset[str], limits: Limits) -> str | No
             return None
         lease_until = now + dt.timedelta(seconds=limits.lease_secs)
         Batch.objects.filter(pk=batch.pk).update(lease_token=token, lease_until=lease_until)
-    content = (
+    source = (
         StoredFile.objects.filter(public_id=batch.input_file_id, batch__isnull=True)
-        .values_list("content", flat=True)
+        .values_list("pk", flat=True)
         .first()
     )
     specs: list[LineSpec] = []
-    if content is None:
+    if source is None:
         errors = [problem("file_not_found", "The input file was deleted")]
     else:
+        content = b"".join(
+            bytes(data)
+            for data in FileChunk.objects.filter(file_id=source)
+            .order_by("index")
+            .values_list("data", flat=True)
+        )
         specs, errors = openai_lines(
-            bytes(content),
+            content,
             batch.endpoint,
             max_lines=limits.max_lines,
             max_model_len=limits.max_model_len,
