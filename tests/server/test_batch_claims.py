@@ -182,7 +182,9 @@ def test_a_batch_cancelled_before_its_validation_ends_cancelled_with_no_line():
         expires_at=timezone.now() + dt.timedelta(hours=1),
     )
     Batch.objects.filter(pk=batch.pk).request_cancel()
-    limits = lifecycle.Limits(max_lines=10, max_model_len=64, max_queued=100, lease_secs=60)
+    limits = lifecycle.Limits(
+        max_lines=10, max_model_len=64, max_queued=100, lease_secs=60, max_request_bytes=1024
+    )
     assert lifecycle.validate_next("a", frozenset({"m"}), limits) is None  # nothing validating
     assert lifecycle.sweep() == [batch.public_id]
     batch.refresh_from_db()

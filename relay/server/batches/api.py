@@ -33,10 +33,10 @@ from django.conf import settings
 
 from batches.models import ANTHROPIC, OPENAI
 from relay.server import runtime
-from relay.server.batches import store, upload
+from relay.server.batches import checker, lines, store, upload
 from relay.server.batches.db import in_thread
-from relay.server.batches.lines import anthropic_lines
 from relay.server.batches.store import Owner
+from relay.server.batches.upload import write_body
 from relay.server.http.request import ClientGone, header, is_json, read_body, route_table
 from relay.server.http.send import (
     SECURITY_HEADERS,
@@ -52,6 +52,7 @@ from relay.wire.errors import (
     Flavor,
     MethodNotAllowed,
     NotFound,
+    PayloadTooLarge,
     RelayError,
     UnsupportedMediaType,
 )
@@ -303,29 +304,35 @@ def _check_metadata(metadata: Any) -> None:
 async def _create_anthropic(
     scope: Scope, receive: Receive, owner: Owner, base: str
 ) -> dict[str, Any]:
+    """A Message Batch: its body goes to a scratch file as it arrives, is checked in
+    the checking process, and its requests are stored from what that wrote."""
     rt = runtime.current()
     limit = settings.BATCH_FILE_MAX_BYTES
     if not is_json(header(scope, b"content-type")):
         raise UnsupportedMediaType()
-    raw = await read_body(receive, limit)
-    known = frozenset(rt.relay.routable_models())
-    max_model_len = rt.config.max_model_name_len
+    rules = lines.Limits(
+        max_lines=rt.batches.config.max_lines,
+        max_request_bytes=rt.config.max_request_bytes,
+        max_model_len=rt.config.max_model_name_len,
+        known=frozenset(rt.relay.routable_models()),
+    )
     config = rt.batches.config
 
-    def create() -> dict[str, Any]:
-        try:
-            document = _decode(raw)
-        except (msgspec.DecodeError, RecursionError):
-            raise BadRequest("Request body is not valid JSON") from None
-        specs = anthropic_lines(
-            document,
-            max_lines=config.max_lines,
-            max_model_len=max_model_len,
-            known=known.__contains__,
+    def create(source: str, out: str) -> dict[str, Any]:
+        checked = checker.CHECKER.run(lines.check_anthropic, source, out, rules)
+        if checked.refusal is not None:
+            kind, message = checked.refusal
+            raise PayloadTooLarge(message) if kind == "too_large" else BadRequest(message)
+        specs = lines.records(out)
+        return store.create_anthropic_batch(
+            owner, checked.count, specs, config.window, config.max_queued, base
         )
-        return store.create_anthropic_batch(owner, specs, config.window, config.max_queued, base)
 
-    created = await in_thread(create)
+    with checker.scratch() as (source, out):
+        # A local scratch file: each write copies one received piece to the page cache.
+        with open(source, "wb") as body:  # noqa: ASYNC230
+            await write_body(receive, body, limit, f"Request body is larger than {limit} bytes")
+        created = await in_thread(create, source, out)
     rt.batches.poke()
     return created
 

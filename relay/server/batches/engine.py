@@ -27,7 +27,7 @@ from typing import Any
 from batches.models import ACTIVE, IN_PROGRESS, LINE_EXPIRED
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
-from relay.server.batches import claims, lifecycle
+from relay.server.batches import checker, claims, lifecycle
 from relay.server.batches.capacity import claimable_models, free_slots, startable
 from relay.server.batches.claims import Claimed, Result
 from relay.server.batches.config import BatchSettings, flavor
@@ -124,6 +124,7 @@ class BatchEngine:
         """The engine's task (owned by the runtime): restarted with backoff when a
         step fails; on cancellation it hands back every line it holds."""
         try:
+            await self.db.run(checker.clean_scratch)  # what a killed process left
             await self.rt.ready()  # providers and keys read: lines can be judged
             while True:
                 try:
@@ -167,6 +168,7 @@ class BatchEngine:
             max_model_len=self.relay.config.max_model_name_len,
             max_queued=config.max_queued,
             lease_secs=max(config.claim, 1.0),
+            max_request_bytes=self.relay.config.max_request_bytes,
         )
         known = frozenset(self.relay.routable_models())
         for _ in range(8):

@@ -9,7 +9,7 @@ belongs to no key. What a caller may not see answers 404, like what does not exi
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -46,6 +46,9 @@ M = TypeVar("M", bound=Model)
 PAGE_LINES = 500
 #: An upload's bytes are kept in rows of this size (:class:`~batches.models.FileChunk`).
 CHUNK_BYTES = 1024 * 1024
+#: Lines written per query (and the most bytes of their bodies).
+INSERT_LINES = 500
+INSERT_BYTES = 8 * 1024 * 1024
 #: Chunks read per query while an upload is sent.
 READ_CHUNKS = 4
 #: The advisory lock (PostgreSQL) that serialises the limit checks of the "no key" owner.
@@ -325,12 +328,18 @@ def create_openai_batch(
 
 
 def create_anthropic_batch(
-    owner: Owner, specs: list[LineSpec], window_secs: float, max_queued: int, base_url: str
+    owner: Owner,
+    count: int,
+    specs: Iterable[LineSpec],
+    window_secs: float,
+    max_queued: int,
+    base_url: str,
 ) -> dict[str, Any]:
-    """A Message Batch, its requests stored and running at once (validated already)."""
+    """A Message Batch of ``count`` requests, stored and running at once (checked
+    already, :mod:`~relay.server.batches.lines`)."""
     now = timezone.now()
     with transaction.atomic():
-        if queued_lines(owner.key_id, lock=True) + len(specs) > max_queued:
+        if queued_lines(owner.key_id, lock=True) + count > max_queued:
             raise BatchLinesExceeded(max_queued)
         batch = Batch.objects.create(
             public_id=new_id("msgbatch_"),
@@ -341,7 +350,7 @@ def create_anthropic_batch(
             expires_at=now + dt.timedelta(seconds=window_secs),
             status=IN_PROGRESS,
             in_progress_at=now,
-            total=len(specs),
+            total=count,
         )
         insert_lines(batch, specs, now)
         batch.refresh_from_db()
@@ -363,10 +372,11 @@ def queued_lines(key_id: int | None, *, lock: bool = False) -> int:
     return waiting
 
 
-def insert_lines(batch: Batch, specs: list[LineSpec], now: dt.datetime) -> None:
-    """Store a batch's lines; a line that can never run is stored already ended."""
-    rows = []
-    errored = 0
+def insert_lines(batch: Batch, specs: Iterable[LineSpec], now: dt.datetime) -> None:
+    """Store a batch's lines, a page at a time (at most :data:`INSERT_LINES` rows or
+    :data:`INSERT_BYTES` of bodies); a line that can never run is stored already ended."""
+    rows: list[BatchLine] = []
+    size = errored = 0
     for spec in specs:
         line = BatchLine(
             batch=batch,
@@ -380,7 +390,12 @@ def insert_lines(batch: Batch, specs: list[LineSpec], now: dt.datetime) -> None:
             line.state, line.outcome, line.finished_at = DONE, ERRORED, now
             line.error_code, line.error_message = spec.error_code, spec.error_message
         rows.append(line)
-    BatchLine.objects.bulk_create(rows, batch_size=1000)
+        size += len(spec.body)
+        if len(rows) >= INSERT_LINES or size >= INSERT_BYTES:
+            BatchLine.objects.bulk_create(rows)
+            rows, size = [], 0
+    if rows:
+        BatchLine.objects.bulk_create(rows)
     if errored:
         Batch.objects.filter(pk=batch.pk).update(errored=errored)
 

@@ -66,32 +66,39 @@ def least_file_bytes(headers: list[tuple[bytes, bytes]]) -> int:
 
 async def spool(receive: Receive, file_limit: int) -> tuple[IO[bytes], int]:
     """The body, read to its end or refused past its limit."""
-    limit = body_limit(file_limit)
     body: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)  # noqa: SIM115
-    size = unyielded = 0
     try:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"A file may be at most {file_limit} bytes")
-                body.write(chunk)
-                unyielded += len(chunk)
-            if not message.get("more_body", False):
-                body.seek(0)
-                return body, size
-            if unyielded >= YIELD_BYTES:
-                # A body already buffered by the server comes without a pause: let
-                # everyone else run between megabytes.
-                unyielded = 0
-                await asyncio.sleep(0)
+        too_large = f"A file may be at most {file_limit} bytes"
+        size = await write_body(receive, body, body_limit(file_limit), too_large)
     except BaseException:
         body.close()
         raise
+    body.seek(0)
+    return body, size
+
+
+async def write_body(receive: Receive, into: IO[bytes], limit: int, too_large: str) -> int:
+    """Write a request's body to ``into`` as it arrives; its size, or
+    :class:`PayloadTooLarge` (saying ``too_large``) as soon as it passes ``limit``."""
+    size = unyielded = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(too_large)
+            into.write(chunk)
+            unyielded += len(chunk)
+        if not message.get("more_body", False):
+            return size
+        if unyielded >= YIELD_BYTES:
+            # A body the server has buffered already comes without a pause: let
+            # everyone else run between the pieces of it.
+            unyielded = 0
+            await asyncio.sleep(0)
 
 
 def parse(
