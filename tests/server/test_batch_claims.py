@@ -25,6 +25,7 @@ from batches.models import (
     new_id,
 )
 from relay.server.batches import claims, lifecycle, store
+from relay.server.batches.checker import Checker
 from relay.server.batches.claims import Result
 from relay.server.batches.lines import LineSpec
 
@@ -185,7 +186,8 @@ def test_a_batch_cancelled_before_its_validation_ends_cancelled_with_no_line():
     limits = lifecycle.Limits(
         max_lines=10, max_model_len=64, max_queued=100, lease_secs=60, max_request_bytes=1024
     )
-    assert lifecycle.validate_next("a", frozenset({"m"}), limits) is None  # nothing validating
+    checker = Checker()  # never started: nothing to check
+    assert lifecycle.validate_next("a", frozenset({"m"}), limits, checker) is None
     assert lifecycle.sweep() == [batch.public_id]
     batch.refresh_from_db()
     assert batch.status == "cancelled" and batch.total == 0

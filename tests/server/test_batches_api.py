@@ -204,6 +204,66 @@ async def test_the_largest_upload_never_stalls_the_event_loop(provider, settings
     assert stalls.longest_ms < STALL_BUDGET_MS, stalls.longest_ms
 
 
+# ------------------------------------------------------------------------- input lines
+
+
+def sized_line(custom_id: str, size: int) -> bytes:
+    """An input line of exactly ``size`` bytes (its body padded)."""
+    bare = len(json.dumps(line(custom_id, pad="")).encode())
+    return json.dumps(line(custom_id, pad="x" * (size - bare))).encode()
+
+
+@relay_settings(MAX_REQUEST_BYTES=4096)
+async def test_a_line_of_max_request_bytes_runs_and_one_byte_more_fails_validation(worker):
+    fits, over = sized_line("fits", 4096), sized_line("over", 4097)
+    assert (len(fits), len(over)) == (4096, 4097)
+    done = await wait_batch((await submit([fits]))["id"], ended)
+    assert done["status"] == "completed", done
+    # The body goes to the worker as the bytes it was sent as, never re-encoded.
+    (request,) = worker.requests
+    assert request.body == json.dumps(json.loads(fits)["body"])
+    failed = await wait_batch((await submit([line("a"), over, line("b")]))["id"], ended)
+    assert failed["status"] == "failed"
+    (error,) = failed["errors"]["data"]
+    assert (error["code"], error["line"]) == ("line_too_large", 2)
+    assert "larger than 4096 bytes" in error["message"]
+    assert len(worker.requests) == 1
+
+
+async def test_a_line_nested_as_deep_as_json_goes_runs_and_deeper_fails_saying_so(worker):
+    def nested(custom_id: str, depth: int) -> bytes:
+        body = json.dumps(line(custom_id)["body"])[:-1] + ', "x": '
+        body += "[" * depth + "]" * depth + "}"
+        head = json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT})[:-1]
+        return f'{head}, "body": {body}}}'.encode()
+
+    done = await wait_batch((await submit([nested("deep", 500)]))["id"], ended)
+    assert done["request_counts"]["completed"] == 1, done
+    failed = await wait_batch((await submit([nested("deeper", 100_000)]))["id"], ended)
+    (error,) = failed["errors"]["data"]
+    assert (error["code"], error["message"]) == (
+        "invalid_json_line",
+        "This line is nested too deeply",
+    )
+
+
+@relay_settings(MAX_REQUEST_BYTES=8 * 1024 * 1024)
+async def test_validating_the_largest_line_never_stalls_the_event_loop(worker):
+    worker.reply = lambda request: None  # held: only the checking is measured
+    escapes = '\\"\u00e9' * 1000
+    bare = len(json.dumps(line("big", pad="")).encode())
+    big = line("big", pad=escapes * ((8 * 1024 * 1024 - bare) // len(json.dumps(escapes))))
+    body, content_type = multipart(jsonl(big))
+    uploading = HttpCall("POST", "/v1/files", body, content_type=content_type)
+    await upload(b"warm")  # first calls (the application's set-up) out of the measure
+    async with LoopStalls() as stalls:
+        _, uploaded = await (await uploading.send(split=64 * 1024)).json(timeout=30)
+        batch = await create_batch(uploaded["id"])
+        started = await wait_batch(batch["id"], lambda b: b["status"] != "validating", timeout=30)
+    assert started["status"] == "in_progress", started
+    assert stalls.longest_ms < STALL_BUDGET_MS, stalls.longest_ms
+
+
 @pytest.mark.parametrize(
     ("body", "content_type", "status", "message"),
     [

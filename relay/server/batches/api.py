@@ -33,7 +33,8 @@ from django.conf import settings
 
 from batches.models import ANTHROPIC, OPENAI
 from relay.server import runtime
-from relay.server.batches import checker, lines, store, upload
+from relay.server.batches import lines, store, upload
+from relay.server.batches.checker import scratch
 from relay.server.batches.db import in_thread
 from relay.server.batches.store import Owner
 from relay.server.batches.upload import write_body
@@ -319,7 +320,7 @@ async def _create_anthropic(
     config = rt.batches.config
 
     def create(source: str, out: str) -> dict[str, Any]:
-        checked = checker.CHECKER.run(lines.check_anthropic, source, out, rules)
+        checked = rt.batches.checker.run(lines.check_anthropic, source, out, rules)
         if checked.refusal is not None:
             kind, message = checked.refusal
             raise PayloadTooLarge(message) if kind == "too_large" else BadRequest(message)
@@ -328,7 +329,7 @@ async def _create_anthropic(
             owner, checked.count, specs, config.window, config.max_queued, base
         )
 
-    with checker.scratch() as (source, out):
+    with scratch() as (source, out):
         # A local scratch file: each write copies one received piece to the page cache.
         with open(source, "wb") as body:  # noqa: ASYNC230
             await write_body(receive, body, limit, f"Request body is larger than {limit} bytes")

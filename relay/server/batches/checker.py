@@ -5,7 +5,8 @@ is large: a Message Batches body or an input file of BATCH_FILE_MAX_BYTES, one l
 MAX_REQUEST_BYTES (msgspec skips escape-heavy JSON at about 1 ms per MiB). A thread
 would keep the event loop that streams everyone's tokens waiting for as long, so the
 checks of :mod:`~relay.server.batches.lines` run in one long-lived process, started
-at the first check (as the metrics federation's rendering does). The server process
+at the first check (as the metrics federation's rendering does) and stopped with the
+batch engine that owns it. The server process
 only moves bytes: the input goes to the checker in a scratch file, the requests
 come back in another, read one request at a time.
 
@@ -37,7 +38,8 @@ logger = logging.getLogger("relay.batches")
 
 
 class Checker:
-    """The checking process (one per server process, started at the first check)."""
+    """The checking process: one per batch engine (so per server process), started
+    at the first check, stopped with the engine."""
 
     def __init__(self) -> None:
         self._executor: ProcessPoolExecutor | None = None
@@ -66,14 +68,11 @@ class Checker:
         return check(*args)
 
     def close(self) -> None:
+        """Stop the process (the engine stopped, or the process failed)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
-
-
-#: The server process's checker.
-CHECKER = Checker()
 
 
 def _root() -> Path:

@@ -27,8 +27,9 @@ from typing import Any
 from batches.models import ACTIVE, IN_PROGRESS, LINE_EXPIRED
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
-from relay.server.batches import checker, claims, lifecycle
+from relay.server.batches import claims, lifecycle
 from relay.server.batches.capacity import claimable_models, free_slots, startable
+from relay.server.batches.checker import Checker, clean_scratch
 from relay.server.batches.claims import Claimed, Result
 from relay.server.batches.config import BatchSettings, flavor
 from relay.server.batches.db import DatabaseThread
@@ -58,6 +59,8 @@ class BatchEngine:
         self._fixed = config is not None
         self.loop = rt.loop
         self.db = DatabaseThread()
+        #: Where inputs are checked (the engine's validations, Message Batches' creations).
+        self.checker = Checker()
         #: Claimed lines waiting for a free slot, and lines running, by line id.
         self.ready: list[Claimed] = []
         self.running: dict[int, Running] = {}
@@ -124,7 +127,7 @@ class BatchEngine:
         """The engine's task (owned by the runtime): restarted with backoff when a
         step fails; on cancellation it hands back every line it holds."""
         try:
-            await self.db.run(checker.clean_scratch)  # what a killed process left
+            await self.db.run(clean_scratch)  # what a killed process left
             await self.rt.ready()  # providers and keys read: lines can be judged
             while True:
                 try:
@@ -172,7 +175,9 @@ class BatchEngine:
         )
         known = frozenset(self.relay.routable_models())
         for _ in range(8):
-            name = await self.db.run(lifecycle.validate_next, self._token(), known, limits)
+            name = await self.db.run(
+                lifecycle.validate_next, self._token(), known, limits, self.checker
+            )
             if name is None:
                 break
             logger.info("batch %s validated", name)
@@ -397,6 +402,7 @@ class BatchEngine:
         except Exception:
             logger.warning("batch results not written at shutdown; their claims will lapse")
         finally:
+            self.checker.close()
             await self.db.aclose()
 
     async def stop(self) -> None:

@@ -37,7 +37,8 @@ from batches.models import (
     claimable,
     new_id,
 )
-from relay.server.batches import checker, lines, store
+from relay.server.batches import lines, store
+from relay.server.batches.checker import Checker, scratch
 from relay.server.batches.claims import TALLY
 from relay.server.batches.lines import Checked, problem
 
@@ -65,10 +66,12 @@ class Limits:
     max_request_bytes: int
 
 
-def validate_next(token: str, known: frozenset[str], limits: Limits) -> str | None:
-    """Check the lines of one batch waiting for validation and start it or fail it;
-    returns its id (None when none waits). The batch is leased while its file is
-    read, so one process validates it."""
+def validate_next(
+    token: str, known: frozenset[str], limits: Limits, checker: Checker
+) -> str | None:
+    """Check the lines of one batch waiting for validation (in ``checker``'s process)
+    and start it or fail it; returns its id (None when none waits). The batch is
+    leased while its file is read, so one process validates it."""
     now = timezone.now()
     with transaction.atomic():
         batch = (
@@ -82,13 +85,20 @@ def validate_next(token: str, known: frozenset[str], limits: Limits) -> str | No
             return None
         lease_until = now + dt.timedelta(seconds=limits.lease_secs)
         Batch.objects.filter(pk=batch.pk).update(lease_token=token, lease_until=lease_until)
-    with checker.scratch() as (source, out):
-        checked = _check(batch, source, out, known, limits)
+    with scratch() as (source, out):
+        checked = _check(batch, source, out, known, limits, checker)
         _finish_validation(batch, token, checked, out, limits)
     return batch.public_id
 
 
-def _check(batch: Batch, source: str, out: str, known: frozenset[str], limits: Limits) -> Checked:
+def _check(
+    batch: Batch,
+    source: str,
+    out: str,
+    known: frozenset[str],
+    limits: Limits,
+    checker: Checker,
+) -> Checked:
     """The batch's input file copied to ``source``, checked in the checking process."""
     upload = (
         StoredFile.objects.filter(public_id=batch.input_file_id, batch__isnull=True)
@@ -104,7 +114,7 @@ def _check(batch: Batch, source: str, out: str, known: frozenset[str], limits: L
             for _, data in chunks:
                 copy.write(data)
     rules = lines.Limits(limits.max_lines, limits.max_request_bytes, limits.max_model_len, known)
-    return checker.CHECKER.run(lines.check_openai, source, out, batch.endpoint, rules)
+    return checker.run(lines.check_openai, source, out, batch.endpoint, rules)
 
 
 def _finish_validation(
