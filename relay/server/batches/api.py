@@ -61,6 +61,8 @@ from relay.wire.errors import (
 PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
 #: The body of ``POST /v1/batches`` (a few ids and the metadata) is small.
 MAX_CREATE_BYTES = 64 * 1024
+#: What a route that reads no body (GET, DELETE, cancel) lets a client send anyway.
+NO_BODY_BYTES = 64 * 1024
 MAX_METADATA_KEYS = 16
 _decode = msgspec.json.Decoder().decode
 
@@ -87,18 +89,42 @@ def who(scope: Scope, flavor: Flavor) -> Owner:
     return Owner(key_id)
 
 
-def refused_before_body(
-    method: str, path: str, headers: list[tuple[bytes, bytes]]
-) -> RelayError | None:
-    """Under daphne, before an upload's body is read: the error it gets anyway."""
-    if method != "POST" or path != "/v1/files":
-        return None
-    try:
-        upload.check_head(headers, settings.BATCH_FILE_MAX_BYTES)
-        who({"headers": headers}, "openai")
-    except RelayError as err:
-        return err
-    return None
+def body_limit(method: str, path: str) -> int:
+    """The most body bytes a batch route takes (each its own: an upload its file and
+    the framing, a batch's creation a few ids, a Message Batch BATCH_FILE_MAX_BYTES, a
+    route that reads no body :data:`NO_BODY_BYTES`); raises the 404 or 405 of a
+    request no route takes."""
+    parts = path.rstrip("/").split("/")[2:]
+    if method == "POST" and parts == ["files"]:
+        return upload.body_limit(settings.BATCH_FILE_MAX_BYTES)
+    if method == "POST" and parts == ["batches"]:
+        return MAX_CREATE_BYTES
+    if method == "POST" and parts == ["messages", "batches"]:
+        return settings.BATCH_FILE_MAX_BYTES
+    for pattern, allow in ROUTES:
+        if len(pattern) == len(parts) and all(
+            p in ("*", q) for p, q in zip(pattern, parts, strict=True)
+        ):
+            if method in allow.split(", ") or method == "OPTIONS":
+                return NO_BODY_BYTES
+            break
+    raise _no_route(method, path.rstrip("/"), parts)
+
+
+def check_head(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> int:
+    """Everything a batch route refuses a request for before its body besides the key:
+    the method (405) or path (404), the content type (415) and a declared length over
+    the route's limit (413). Returns that limit. Called by the application, and under
+    daphne by the server as soon as the headers are in."""
+    limit = body_limit(method, path)
+    if method == "POST" and path.rstrip("/") == "/v1/files":
+        upload.check_head(headers, settings.BATCH_FILE_MAX_BYTES)  # multipart, its length
+    elif limit != NO_BODY_BYTES and not is_json(header({"headers": headers}, b"content-type")):
+        raise UnsupportedMediaType()
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+    return limit
 
 
 async def handle(scope: Scope, receive: Receive, send: Send) -> None:
@@ -113,6 +139,7 @@ async def handle(scope: Scope, receive: Receive, send: Send) -> None:
     await rt.ready()
     try:
         owner = who(scope, flavor)
+        check_head(method, path, scope["headers"])
         await _route(scope, receive, send, owner, method, path.rstrip("/"), cors or [])
     except ClientGone:
         return

@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -35,6 +36,8 @@ from django.conf import settings
 from relay.server.batches.lines import Checked
 
 logger = logging.getLogger("relay.batches")
+#: How often the checking process looks whether its server process is still there.
+PARENT_POLL_SECS = 1.0
 
 
 class Checker:
@@ -51,7 +54,10 @@ class Checker:
             with self._lock:
                 if self._executor is None:
                     self._executor = ProcessPoolExecutor(
-                        max_workers=1, mp_context=multiprocessing.get_context("spawn")
+                        max_workers=1,
+                        mp_context=multiprocessing.get_context("spawn"),
+                        initializer=watch_parent,
+                        initargs=(os.getpid(),),
                     )
                 future = self._executor.submit(check, *args)
         except (BrokenProcessPool, OSError) as exc:
@@ -73,6 +79,18 @@ class Checker:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+def watch_parent(parent: int) -> None:
+    """In the checking process: leave as soon as the server process that started it
+    is gone (killed: nothing else would tell this one, which waits for work)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_SECS)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent watch", daemon=True).start()
 
 
 def _root() -> Path:
