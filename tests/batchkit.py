@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,8 +73,10 @@ async def create_batch(
     return document
 
 
-async def submit(lines: list[dict], headers: Headers | None = None, **extra: Any) -> dict:
-    """Upload ``lines`` and create a batch of them."""
+async def submit(
+    lines: Sequence[dict | bytes], headers: Headers | None = None, **extra: Any
+) -> dict:
+    """Upload ``lines`` (documents, or lines as they are) and create a batch of them."""
     uploaded = await upload(jsonl(*lines), headers)
     return await create_batch(uploaded["id"], headers, **extra)
 

@@ -203,6 +203,8 @@ def check_openai(source: str, out: str, endpoint: str, limits: Limits) -> Checke
                     )
                 )
                 break
+            checked: tuple[str, str, bytes] | None = None
+            error: dict | None
             if raw is None:
                 error = problem(
                     "line_too_large",
@@ -210,7 +212,6 @@ def check_openai(source: str, out: str, endpoint: str, limits: Limits) -> Checke
                     "the most a request may be",
                     number,
                 )
-                checked = None
             else:
                 checked, error = _openai_line(raw, number, endpoint, seen, limits)
             if error is not None:
