@@ -13,7 +13,7 @@ from django.utils import timezone
 from batches.models import FileChunk, StoredFile
 from keys.services import create_key
 from relay.server import runtime
-from relay.server.batches import lifecycle, store
+from relay.server.batches import files, lifecycle
 from relay.wire import protocol
 from tests.asgikit import FakeWorker, HttpCall, chat, make_provider, until
 from tests.batchkit import (
@@ -115,8 +115,8 @@ async def test_an_upload_declaring_more_than_the_limit_is_refused_before_its_bod
 
 
 async def test_an_upload_is_stored_in_chunks_and_read_back_whole(provider, monkeypatch):
-    monkeypatch.setattr(store, "CHUNK_BYTES", 1000)
-    monkeypatch.setattr(store, "READ_CHUNKS", 2)
+    monkeypatch.setattr(files, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(files, "READ_CHUNKS", 2)
     data = bytes(range(256)) * 14  # 3584 bytes: three whole chunks and a part
     uploaded = await upload(data)
     sizes = await sync_to_async(

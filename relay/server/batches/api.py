@@ -23,6 +23,7 @@ everyone's. Errors come in the envelope of the API asked (Anthropic's on
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Callable
 from typing import Any
@@ -33,8 +34,7 @@ from django.conf import settings
 
 from batches.models import ANTHROPIC, OPENAI
 from relay.server import runtime
-from relay.server.batches import lines, store, upload
-from relay.server.batches.checker import scratch
+from relay.server.batches import checker, files, lines, store, upload
 from relay.server.batches.db import in_thread
 from relay.server.batches.store import Owner
 from relay.server.batches.upload import write_body
@@ -165,12 +165,12 @@ async def _route(
         case ("GET", ["files"]):
             limit = _limit(query, 10_000, default=10_000)
             document = await in_thread(
-                store.list_files, owner, query.get("purpose"), limit, query.get("after")
+                files.list_files, owner, query.get("purpose"), limit, query.get("after")
             )
         case ("GET", ["files", file_id]):
-            document = await in_thread(store.file_info, owner, file_id)
+            document = await in_thread(files.file_info, owner, file_id)
         case ("DELETE", ["files", file_id]):
-            document = await in_thread(store.delete_file, owner, file_id)
+            document = await in_thread(files.delete_file, owner, file_id)
         case ("GET", ["files", file_id, "content"]):
             await _file_content(send, owner, file_id, cors)
             return
@@ -273,20 +273,20 @@ async def _upload(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any
     limits = file_limits()
     # Refused before the body when the owner keeps all it may already (under daphne
     # the server has read the body by now; the answer is the same).
-    await in_thread(store.check_room, owner, limits, upload.least_file_bytes(scope["headers"]))
+    await in_thread(files.check_room, owner, limits, upload.least_file_bytes(scope["headers"]))
     body, size = await upload.spool(receive, file_limit)
 
     def receive_file(open_file: Callable[[str], upload.Sink]) -> str:
         return upload.parse(content_type, body, size, file_limit, open_file)
 
     try:
-        return await in_thread(store.create_file, owner, limits, receive_file)
+        return await in_thread(files.create_file, owner, limits, receive_file)
     finally:
         body.close()
 
 
-def file_limits() -> store.FileLimits:
-    return store.FileLimits(settings.BATCH_MAX_FILES_PER_KEY, settings.BATCH_MAX_FILE_BYTES_PER_KEY)
+def file_limits() -> files.FileLimits:
+    return files.FileLimits(settings.BATCH_MAX_FILES_PER_KEY, settings.BATCH_MAX_FILE_BYTES_PER_KEY)
 
 
 async def _create_openai(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any]:
@@ -356,11 +356,14 @@ async def _create_anthropic(
             owner, checked.count, specs, config.window, config.max_queued, base
         )
 
-    with scratch() as (source, out):
+    source, out = checker.scratch_paths()
+    try:
         # A local scratch file: each write copies one received piece to the page cache.
         with open(source, "wb") as body:  # noqa: ASYNC230
             await write_body(receive, body, limit, f"Request body is larger than {limit} bytes")
         created = await in_thread(create, source, out)
+    finally:
+        await asyncio.to_thread(checker.remove, source, out)
     rt.batches.poke()
     return created
 
@@ -368,7 +371,7 @@ async def _create_anthropic(
 async def _file_content(
     send: Send, owner: Owner, file_id: str, cors: list[tuple[bytes, bytes]]
 ) -> None:
-    source = await in_thread(store.file_source, owner, file_id)
+    source = await in_thread(files.file_source, owner, file_id)
     if source.batch_id is not None:
         await _stream_lines(send, source.batch_id, source.kind, cors)
         return
@@ -381,7 +384,7 @@ async def _file_content(
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     after = -1
     while True:
-        chunks = await in_thread(store.file_chunks, source.file_pk, after)
+        chunks = await in_thread(files.file_chunks, source.file_pk, after)
         if not chunks:
             break
         after = chunks[-1][0]

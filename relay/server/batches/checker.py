@@ -5,8 +5,7 @@ is large: a Message Batches body or an input file of BATCH_FILE_MAX_BYTES, one l
 MAX_REQUEST_BYTES (msgspec skips escape-heavy JSON at about 1 ms per MiB). A thread
 would keep the event loop that streams everyone's tokens waiting for as long, so the
 checks of :mod:`~relay.server.batches.lines` run in one long-lived process, started
-at the first check (as the metrics federation's rendering does) and stopped with the
-batch engine that owns it. The server process
+at the first check (as the metrics federation's rendering does). The server process
 only moves bytes: the input goes to the checker in a scratch file, the requests
 come back in another, read one request at a time.
 
@@ -41,8 +40,9 @@ PARENT_POLL_SECS = 1.0
 
 
 class Checker:
-    """The checking process: one per batch engine (so per server process), started
-    at the first check, stopped with the engine."""
+    """The checking process: one per server process (:data:`CHECKER`), started at the
+    first check, kept for the next ones; it leaves with the server process, however
+    that ends (:func:`watch_parent`)."""
 
     def __init__(self) -> None:
         self._executor: ProcessPoolExecutor | None = None
@@ -74,11 +74,15 @@ class Checker:
         return check(*args)
 
     def close(self) -> None:
-        """Stop the process (the engine stopped, or the process failed)."""
+        """Stop the process (it failed, or the server process is ending)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+
+
+#: The server process's checker (engines come and go with runtimes; it stays).
+CHECKER = Checker()
 
 
 def watch_parent(parent: int) -> None:
@@ -97,19 +101,30 @@ def _root() -> Path:
     return Path(settings.DATA_DIR) / "scratch"
 
 
-@contextlib.contextmanager
-def scratch() -> Iterator[tuple[str, str]]:
-    """Two fresh paths (the input, the requests written), deleted on the way out."""
+def scratch_paths() -> tuple[str, str]:
+    """Two fresh paths in this process's scratch folder: a check's input, and the
+    requests it writes. :func:`remove` them afterwards."""
     folder = _root() / str(os.getpid())
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     name = secrets.token_hex(8)
-    paths = (str(folder / f"{name}.in"), str(folder / f"{name}.out"))
+    return str(folder / f"{name}.in"), str(folder / f"{name}.out")
+
+
+def remove(*paths: str) -> None:
+    """Delete scratch files (in a worker thread: freeing a large file takes a while)."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[tuple[str, str]]:
+    """:func:`scratch_paths`, removed on the way out (in a worker thread)."""
+    paths = scratch_paths()
     try:
         yield paths
     finally:
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        remove(*paths)
 
 
 def clean_scratch() -> int:

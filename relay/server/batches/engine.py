@@ -29,7 +29,7 @@ from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server.batches import claims, lifecycle
 from relay.server.batches.capacity import claimable_models, free_slots, startable
-from relay.server.batches.checker import Checker, clean_scratch
+from relay.server.batches.checker import CHECKER, clean_scratch
 from relay.server.batches.claims import Claimed, Result
 from relay.server.batches.config import BatchSettings, flavor
 from relay.server.batches.db import DatabaseThread
@@ -60,7 +60,7 @@ class BatchEngine:
         self.loop = rt.loop
         self.db = DatabaseThread()
         #: Where inputs are checked (the engine's validations, Message Batches' creations).
-        self.checker = Checker()
+        self.checker = CHECKER
         #: Claimed lines waiting for a free slot, and lines running, by line id.
         self.ready: list[Claimed] = []
         self.running: dict[int, Running] = {}
@@ -402,7 +402,6 @@ class BatchEngine:
         except Exception:
             logger.warning("batch results not written at shutdown; their claims will lapse")
         finally:
-            self.checker.close()
             await self.db.aclose()
 
     async def stop(self) -> None:

@@ -37,7 +37,7 @@ from batches.models import (
     claimable,
     new_id,
 )
-from relay.server.batches import lines, store
+from relay.server.batches import files, lines, store
 from relay.server.batches.checker import Checker, scratch
 from relay.server.batches.claims import TALLY
 from relay.server.batches.lines import Checked, problem
@@ -109,7 +109,7 @@ def _check(
         return Checked(0, [problem("file_not_found", "The input file was deleted")])
     with open(source, "wb") as copy:
         after = -1
-        while chunks := store.file_chunks(upload, after):
+        while chunks := files.file_chunks(upload, after):
             after = chunks[-1][0]
             for _, data in chunks:
                 copy.write(data)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from django.db import connection, transaction
-from django.db.models import Count, Model, QuerySet, Sum
+from django.db.models import Model, QuerySet
 from django.utils import timezone
 
 from batches.models import (
@@ -28,7 +28,6 @@ from batches.models import (
     SUCCEEDED,
     Batch,
     BatchLine,
-    FileChunk,
     StoredFile,
     new_id,
 )
@@ -37,21 +36,15 @@ from relay.server.batches.lines import LineSpec
 from relay.wire.errors import (
     BadRequest,
     BatchLinesExceeded,
-    FileBytesExceeded,
-    FileCountExceeded,
     NotFound,
 )
 
 M = TypeVar("M", bound=Model)
 #: Lines read per query while a file is rendered.
 PAGE_LINES = 500
-#: An upload's bytes are kept in rows of this size (:class:`~batches.models.FileChunk`).
-CHUNK_BYTES = 1024 * 1024
 #: Lines written per query (and the most bytes of their bodies).
 INSERT_LINES = 200
 INSERT_BYTES = 4 * 1024 * 1024
-#: Chunks read per query while an upload is sent.
-READ_CHUNKS = 4
 #: The advisory lock (PostgreSQL) that serialises the limit checks of the "no key" owner.
 NO_KEY_LOCK = 0x6D72_6669_6C65
 INPUT_PURPOSE = "batch"
@@ -73,7 +66,7 @@ class Owner:
         return rows.filter(key_id=self.key_id)
 
 
-def _page(rows: QuerySet[M], limit: int, after: str | None, before: str | None) -> list[M]:
+def page(rows: QuerySet[M], limit: int, after: str | None, before: str | None) -> list[M]:
     """Newest first; ``after`` (older than that id) or ``before`` (newer than it)."""
     if after:
         cursor = rows.filter(public_id=after).values_list("pk", flat=True).first()
@@ -85,51 +78,6 @@ def _page(rows: QuerySet[M], limit: int, after: str | None, before: str | None) 
         newer = list(rows.filter(pk__gt=cursor).order_by("pk")[: limit + 1])
         return newer[::-1]
     return list(rows.order_by("-pk")[: limit + 1])
-
-
-def listing(items: list[dict[str, Any]], has_more: bool, *, openai: bool) -> dict[str, Any]:
-    document: dict[str, Any] = {
-        "data": items,
-        "has_more": has_more,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-    }
-    return {"object": "list", **document} if openai else document
-
-
-# ------------------------------------------------------------------------- files
-
-
-@dataclass(frozen=True, slots=True)
-class FileLimits:
-    """What one owner may keep (BATCH_MAX_FILES_PER_KEY, BATCH_MAX_FILE_BYTES_PER_KEY):
-    every key, and everything uploaded without one, alike."""
-
-    most_files: int
-    most_bytes: int
-
-
-def _uploads(key_id: int | None) -> QuerySet[StoredFile]:
-    """The uploads an owner keeps (output files are rendered from lines: not counted)."""
-    rows = StoredFile.objects.filter(batch__isnull=True)
-    return rows.filter(key__isnull=True) if key_id is None else rows.filter(key_id=key_id)
-
-
-def check_room(
-    owner: Owner, limits: FileLimits, coming: int, *, exclude: int | None = None
-) -> None:
-    """Raise when the owner keeps as many files as it may (429), or ``coming`` more
-    bytes would take its files past their bytes (413). Called before an upload's body
-    is read (``coming``: what its length promises) and at its end (its size)."""
-    rows = _uploads(owner.key_id)
-    if exclude is not None:
-        rows = rows.exclude(pk=exclude)
-    kept = rows.aggregate(files=Count("pk"), used=Sum("bytes"))
-    if kept["files"] >= limits.most_files:
-        raise FileCountExceeded(limits.most_files)
-    used = kept["used"] or 0
-    if used + coming > limits.most_bytes:
-        raise FileBytesExceeded(limits.most_bytes, used)
 
 
 def lock_owner(key_id: int | None) -> None:
@@ -144,129 +92,14 @@ def lock_owner(key_id: int | None) -> None:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [NO_KEY_LOCK])
 
 
-class FileWriter:
-    """An upload's bytes written to the store as the multipart parser hands them over,
-    in :data:`CHUNK_BYTES` rows; never more than one chunk in memory.
-
-    Used inside the transaction of :func:`create_file`: a failed or refused upload, or
-    a server killed in the middle of one, leaves no row and no byte behind."""
-
-    def __init__(self, owner: Owner, filename: str) -> None:
-        self.row = StoredFile.objects.create(
-            public_id=new_id("file-"),
-            key_id=owner.key_id,
-            purpose="",
-            filename=filename[:255] or "upload.jsonl",
-        )
-        self.size = 0
-        self._index = 0
-        self._pending: list[bytes] = []
-        self._pending_size = 0
-
-    def write(self, data: bytes) -> None:
-        self.size += len(data)
-        self._pending.append(data)
-        self._pending_size += len(data)
-        if self._pending_size >= CHUNK_BYTES:
-            joined = b"".join(self._pending)
-            whole = len(joined) - len(joined) % CHUNK_BYTES
-            for at in range(0, whole, CHUNK_BYTES):
-                self._store(joined[at : at + CHUNK_BYTES])
-            rest = joined[whole:]
-            self._pending, self._pending_size = ([rest], len(rest)) if rest else ([], 0)
-
-    def _store(self, data: bytes) -> None:
-        FileChunk.objects.create(file=self.row, index=self._index, data=data)
-        self._index += 1
-
-    def finish(self, owner: Owner, purpose: str, limits: FileLimits) -> dict[str, Any]:
-        """The last chunk, then the owner's limits checked with the file's size (under
-        the owner's lock, so that two uploads cannot both take the last room)."""
-        if self._pending_size:
-            self._store(b"".join(self._pending))
-            self._pending, self._pending_size = [], 0
-        lock_owner(owner.key_id)
-        check_room(owner, limits, self.size, exclude=self.row.pk)
-        self.row.purpose, self.row.bytes = purpose, self.size
-        self.row.save(update_fields=["purpose", "bytes"])
-        return shapes.file_object(self.row)
-
-
-def create_file(
-    owner: Owner, limits: FileLimits, receive: Callable[[Callable[[str], FileWriter]], str]
-) -> dict[str, Any]:
-    """Store one upload: ``receive`` parses the body, opening the file (with the name it
-    has) through the factory it is handed, and returns the upload's purpose."""
-    opened: list[FileWriter] = []
-
-    def open_file(filename: str) -> FileWriter:
-        if opened:
-            raise BadRequest("file: one file per upload")
-        opened.append(FileWriter(owner, filename))
-        return opened[0]
-
-    with transaction.atomic():
-        purpose = receive(open_file)
-        if not opened:
-            raise BadRequest("file: a file part is required")
-        if purpose != INPUT_PURPOSE:
-            raise BadRequest("purpose: only 'batch' files are kept here")
-        return opened[0].finish(owner, purpose, limits)
-
-
-def _files(owner: Owner) -> QuerySet[StoredFile]:
-    return owner.mine(StoredFile.objects.all())
-
-
-def list_files(owner: Owner, purpose: str | None, limit: int, after: str | None) -> dict[str, Any]:
-    rows = _files(owner)
-    if purpose:
-        rows = rows.filter(purpose=purpose)
-    page = _page(rows, limit, after, None)
-    return listing([shapes.file_object(f) for f in page[:limit]], len(page) > limit, openai=True)
-
-
-def get_file(owner: Owner, public_id: str) -> StoredFile:
-    row = _files(owner).filter(public_id=public_id).first()
-    if row is None:
-        raise NotFound(f"No such file: {public_id[:100]}")
-    return row
-
-
-def file_info(owner: Owner, public_id: str) -> dict[str, Any]:
-    return shapes.file_object(get_file(owner, public_id))
-
-
-def delete_file(owner: Owner, public_id: str) -> dict[str, Any]:
-    row = get_file(owner, public_id)
-    with transaction.atomic():
-        if row.batch_id is not None:
-            # An output file: the batch no longer offers it.
-            field = "output_file_id" if row.kind == "output" else "error_file_id"
-            Batch.objects.filter(pk=row.batch_id).update(**{field: ""})
-        row.delete()  # and its chunks
-    return {"id": public_id, "object": "file", "deleted": True}
-
-
-@dataclass(frozen=True, slots=True)
-class FileSource:
-    """Where a file's bytes come from: its chunks (an upload) or a batch's lines."""
-
-    file_pk: int
-    size: int
-    batch_id: int | None
-    kind: str
-
-
-def file_source(owner: Owner, public_id: str) -> FileSource:
-    row = get_file(owner, public_id)
-    return FileSource(row.pk, row.bytes, row.batch_id, row.kind)
-
-
-def file_chunks(file_pk: int, after: int, most: int = READ_CHUNKS) -> list[tuple[int, bytes]]:
-    """The next chunks of an upload after chunk number ``after``, with their numbers."""
-    rows = FileChunk.objects.filter(file_id=file_pk, index__gt=after).order_by("index")
-    return [(index, bytes(data)) for index, data in rows.values_list("index", "data")[:most]]
+def listing(items: list[dict[str, Any]], has_more: bool, *, openai: bool) -> dict[str, Any]:
+    document: dict[str, Any] = {
+        "data": items,
+        "has_more": has_more,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+    }
+    return {"object": "list", **document} if openai else document
 
 
 def _results(batch_id: int, kind: str) -> QuerySet[BatchLine]:
@@ -310,7 +143,9 @@ def create_openai_batch(
     window_secs: float,
 ) -> dict[str, Any]:
     """A batch waiting for validation; the engine checks its lines next."""
-    source = get_file(owner, input_file_id)
+    source = owner.mine(StoredFile.objects.filter(public_id=input_file_id)).first()
+    if source is None:
+        raise NotFound(f"No such file: {input_file_id[:100]}")
     if source.purpose != INPUT_PURPOSE or source.batch_id is not None:
         raise BadRequest(f"File {input_file_id} was not uploaded with purpose 'batch'")
     now = timezone.now()
@@ -422,10 +257,10 @@ def batch_info(owner: Owner, api: str, public_id: str, base_url: str) -> dict[st
 def list_batches(
     owner: Owner, api: str, limit: int, after: str | None, before: str | None, base_url: str
 ) -> dict[str, Any]:
-    page = _page(_batches(owner, api), limit, after, before)
-    has_more = len(page) > limit
-    page = page[-limit:] if before else page[:limit]
-    items = [shapes.batch_object(b, base_url) for b in page]
+    found = page(_batches(owner, api), limit, after, before)
+    has_more = len(found) > limit
+    found = found[-limit:] if before else found[:limit]
+    items = [shapes.batch_object(b, base_url) for b in found]
     return listing(items, has_more, openai=api == OPENAI)
 
 

@@ -5,7 +5,7 @@ The body is spooled (to memory while small, to an unnamed temporary file beyond:
 killed server leaves nothing of it) as it arrives, refused with 413 as soon as it
 passes the limit, or before a byte of it is read when its declared length already
 does. The parser hands the file part over in pieces, which go straight to the store
-(:class:`relay.server.batches.store.FileWriter`): the file is never held in memory.
+(:class:`relay.server.batches.files.FileWriter`): the file is never held in memory.
 The file itself may be BATCH_FILE_MAX_BYTES long; the body around it a little more
 (the multipart framing).
 """
