@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import secrets
 import socket
 from collections import Counter
 from pathlib import Path
@@ -21,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis, require_service
 from tests.live import LiveServer, _scratch_postgres_database, live_server
 from tests.test_e2e import MODEL, poll, routable, running_worker
 from tests.upstream import ThreadedUpstream, upstream_in_thread
@@ -221,11 +222,18 @@ def _finished_here(server: LiveServer) -> int:
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("cluster", [False, True], ids=["database", "cluster"])
 def test_two_server_processes_on_one_postgresql_database_never_run_a_line_twice(
-    tmp_path: Path,
+    tmp_path: Path, cluster: bool
 ):
+    """Sharing only the database, or in cluster mode (Redis too): the process that
+    validates the batch reads a file uploaded through the other, and every line runs
+    once."""
     require_service("PostgreSQL", "127.0.0.1", 5432)
     shared = {**FAST, "MODELRELAY_SECRET_PEPPER": "pepper-shared-by-both-processes"}
+    if cluster:
+        require_redis()
+        shared |= {"REDIS_URL": REDIS_URL, "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}"}
     with (
         _scratch_postgres_database() as database,
         upstream_in_thread(total_slots=2, first_byte_delay=0.03) as upstream,
