@@ -94,9 +94,6 @@ class StoredFileAdmin(admin.ModelAdmin):
     fields = ("public_id", "key", "filename", "purpose", "bytes", "batch", "kind", "created_at")
     readonly_fields = fields
 
-    def get_queryset(self, request: HttpRequest) -> QuerySet[StoredFile]:
-        return super().get_queryset(request).defer("content")
-
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 

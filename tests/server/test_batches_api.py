@@ -189,6 +189,20 @@ async def test_pruning_an_old_upload_deletes_its_bytes(provider):
     assert await sync_to_async(age_and_prune)() == 0
 
 
+async def test_the_admin_lists_uploads_without_reading_their_bytes(provider):
+    from django.contrib.auth.models import User
+    from django.test import AsyncClient
+
+    uploaded = await upload(b"x" * 10)
+    user = await sync_to_async(User.objects.create_superuser)("root", "root@example.com", "pw")
+    staff = AsyncClient()
+    await staff.aforce_login(user)
+    listing = await staff.get("/django-admin/batches/storedfile/")
+    assert listing.status_code == 200 and uploaded["id"] in listing.content.decode()
+    pk = await sync_to_async(lambda: StoredFile.objects.get(public_id=uploaded["id"]).pk)()
+    assert (await staff.get(f"/django-admin/batches/storedfile/{pk}/change/")).status_code == 200
+
+
 async def test_the_largest_upload_never_stalls_the_event_loop(provider, settings):
     settings.BATCH_FILE_MAX_BYTES = 8 * 1024 * 1024
     one = json.dumps(line("x" * 1000)).encode() + b"\n"
