@@ -279,6 +279,26 @@ async def test_validating_the_largest_line_never_stalls_the_event_loop(worker):
 
 
 @pytest.mark.parametrize(
+    ("method", "path", "length", "content_type", "status"),
+    [
+        ("POST", "/v1/batches", 65537, b"application/json", 413),
+        ("POST", "/v1/messages/batches", 10**9, b"application/json", 413),
+        ("GET", "/v1/files", 65537, None, 413),
+        ("POST", "/v1/batches/batch_x/cancel", 65537, None, 413),
+        ("PUT", "/v1/files", 10**9, b"application/json", 405),
+        ("POST", "/v1/messages/batches", 100, b"text/plain", 415),
+    ],
+)
+async def test_each_route_is_refused_on_its_headers_in_the_application_too(
+    provider, method, path, length, content_type, status
+):
+    headers = [(b"content-length", str(length).encode())]
+    refused = HttpCall(method, path, b"", headers, content_type=content_type)
+    assert await refused.start() == status  # not a byte of the body was sent
+    await refused.read_rest()
+
+
+@pytest.mark.parametrize(
     ("body", "content_type", "status", "message"),
     [
         (b"{}", b"application/json", 415, "multipart/form-data"),
