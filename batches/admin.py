@@ -39,7 +39,7 @@ class BatchAdmin(admin.ModelAdmin):
         "status",
         "progress",
         ("total", "succeeded", "errored", "canceled", "expired"),
-        ("input_tokens", "output_tokens"),
+        ("input_tokens", "cached_tokens", "output_tokens"),
         "output_file_id",
         "error_file_id",
         "errors",
@@ -118,9 +118,6 @@ class StoredFileAdmin(admin.ModelAdmin):
     list_select_related = ("key", "batch")
     fields = ("public_id", "key", "filename", "purpose", "bytes", "batch", "kind", "created_at")
     readonly_fields = fields
-
-    def get_queryset(self, request: HttpRequest) -> QuerySet[StoredFile]:
-        return super().get_queryset(request).defer("content")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

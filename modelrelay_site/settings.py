@@ -302,8 +302,11 @@ LEGACY_DEFAULT_MAX_NEW_TOKENS = env_int("LEGACY_DEFAULT_MAX_NEW_TOKENS", 1024, m
 # batch, lines this process runs at once (never more than free slots: a batch only fills
 # idle capacity) and the free slots per model it leaves alone, the lines of one key's
 # batches that may wait, what "24h" means, and the engine's timings (look for work,
-# lease on a claimed line, write results).
+# lease on a claimed line, write results). Each key (and everything uploaded without
+# one) keeps at most so many files, of so many bytes in all.
 BATCH_FILE_MAX_BYTES = env_int("BATCH_FILE_MAX_BYTES", 100 * MIB, minimum=1)
+BATCH_MAX_FILES_PER_KEY = env_int("BATCH_MAX_FILES_PER_KEY", 100, minimum=1)
+BATCH_MAX_FILE_BYTES_PER_KEY = env_int("BATCH_MAX_FILE_BYTES_PER_KEY", 1024 * MIB, minimum=1)
 BATCH_MAX_LINES = env_int("BATCH_MAX_LINES", 50_000, minimum=1)
 BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 64, minimum=1)
 BATCH_SPARE_SLOTS = env_int("BATCH_SPARE_SLOTS", 0)

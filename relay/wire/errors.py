@@ -12,13 +12,15 @@ Hierarchy::
     │   ├── NotFound                (404, a path the relay does not serve)
     │   ├── MethodNotAllowed        (405, with Allow)
     │   ├── PayloadTooLarge         (413)
+    │   │   └── FileBytesExceeded   (a key's stored files would pass their bytes)
     │   ├── UpgradeRequired         (426)
     │   ├── UnsupportedMediaType    (415)
     │   ├── QueueFull               (429)
     │   ├── RateLimited             (429, an API key's limit; with Retry-After)
     │   │   ├── ConcurrencyLimited
     │   │   ├── RequestRateLimited
-    │   │   └── BatchLinesExceeded  (too many of the key's batch lines waiting)
+    │   │   ├── BatchLinesExceeded  (too many of the key's batch lines waiting)
+    │   │   └── FileCountExceeded   (the key keeps as many files as it may)
     │   ├── QuotaExceeded           (429, an API key's token budget; with Retry-After)
     │   │   ├── DailyQuotaExceeded
     │   │   └── MonthlyQuotaExceeded
@@ -163,6 +165,18 @@ class PayloadTooLarge(ClientError):
     default_message = "Request body is too large"
 
 
+class FileBytesExceeded(PayloadTooLarge):
+    """An upload would take the files its key keeps past BATCH_MAX_FILE_BYTES_PER_KEY."""
+
+    code = "file_bytes_exceeded"
+
+    def __init__(self, limit: int, used: int) -> None:
+        super().__init__(
+            f"Files kept for this API key may take at most {limit} bytes in all "
+            f"({used} in use); delete some before uploading this one"
+        )
+
+
 class UnsupportedMediaType(ClientError):
     status = 415
     code = "unsupported_media_type"
@@ -214,6 +228,21 @@ class BatchLinesExceeded(RateLimited):
         super().__init__(
             f"This API key would have more than {limit} batch requests waiting; "
             "retry when some of its batches have ended",
+            retry_after=60,
+        )
+
+
+class FileCountExceeded(RateLimited):
+    """The key keeps BATCH_MAX_FILES_PER_KEY files already: no retry helps before it
+    deletes some (or they pass BATCH_RETENTION_DAYS)."""
+
+    code = "file_count_exceeded"
+    outcome = "over_file_count"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"At most {limit} files may be kept for this API key; delete some before "
+            "uploading another",
             retry_after=60,
         )
 

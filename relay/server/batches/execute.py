@@ -165,6 +165,7 @@ def judge_answer(
         request_id=request.id,
         prompt_tokens=counts.prompt_tokens if counts else None,
         completion_tokens=counts.completion_tokens if counts else None,
+        cached_tokens=counts.cached_tokens if counts else None,
     )
 
 
