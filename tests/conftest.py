@@ -60,10 +60,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def django_db_modify_db_settings() -> None:
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
     """A test database of this run's own on the shared PostgreSQL server: runs that
     overlap on one machine never share or drop each other's. (SQLite's is a file in
-    DATA_DIR, each checkout its own.)"""
+    DATA_DIR, each checkout its own; pytest-xdist's workers each add their suffix to it.)"""
     from django.conf import settings
 
     database = settings.DATABASES["default"]
