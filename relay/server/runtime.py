@@ -37,6 +37,7 @@ from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
+from relay.server.identities import Identities
 from relay.server.metrics import RelayMetrics
 from relay.server.tracing import Tracing
 from relay.server.tracing import from_environment as tracing_from_environment
@@ -102,6 +103,10 @@ class Runtime:
             block=settings.AUTH_BLOCK_SECS,
         )
         self.trusted_proxies: list[Network] = parse_networks(settings.TRUSTED_PROXIES)
+        #: Workers with a credential of their own connected here (SPEC §22).
+        self.identities = Identities(
+            self.relay.instance, settings.SECRET_PEPPER, settings.WORKER_LEASE_SECS
+        )
         self.cors = CorsPolicy(settings.CORS_ALLOWED_ORIGINS)
         self.require_keys: bool = settings.MODELRELAY_REQUIRE_API_KEYS
         self.metrics_token: str = settings.MODELRELAY_METRICS_TOKEN
@@ -305,6 +310,10 @@ class Runtime:
         as_of = self.loop.time()
         policies = await in_thread(store.load_providers, self.config)
         self.relay.sync_providers(policies, as_of=as_of)
+        try:
+            await self.identities.reconcile(self.loop.time())
+        except Exception:
+            logger.exception("checking the joined workers connected here failed")
         if self.require_keys:
             version, keys = await in_thread(store.load_keys, self._keys_version)
             if keys is not None:
