@@ -418,7 +418,8 @@ async def test_the_secret_step_requires_a_staff_login(provider):
 
 async def test_the_secret_form_is_prefilled_for_the_chosen_backend(staff):
     page = (await staff.get("/setup/worker?platform=windows&backend=ollama")).content.decode()
-    assert 'value="http://127.0.0.1:11434"' in page
+    # Empty (the worker finds its backend), with the backend's usual URL as the example.
+    assert 'value="" placeholder="http://127.0.0.1:11434"' in page
     assert '<option value="local"' in page
     vllm = (await staff.get("/setup/worker?platform=linux&backend=vllm")).content.decode()
     assert 'name="max_concurrent" id="id_max_concurrent" value="8"' in vllm
