@@ -49,7 +49,7 @@ HOST = "127.0.0.1"
 #: What usually listens on a port, for a server known only by its ``/v1/models``.
 PORT_NAMES = {1234: "LM Studio", 30000: "SGLang"}
 
-_decode = msgspec.json.Decoder(Any).decode  # type: ignore[arg-type]
+_decode = msgspec.json.Decoder(Any).decode
 
 
 class SeveralBackends(Exception):

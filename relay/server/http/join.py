@@ -102,4 +102,4 @@ class JoinApp:
             provider=joined.provider,
             credential=joined.credential,
         )
-        return msgspec.to_builtins(answer)  # type: ignore[no-any-return]
+        return msgspec.to_builtins(answer)
