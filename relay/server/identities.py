@@ -207,6 +207,10 @@ class Identities:
         self.held: dict[str, tuple[Hold, Holder]] = {}
         self._renewed = 0.0
 
+    async def join(self, token: str, name: str, address: str) -> Joined:
+        """Trade a join token for a new worker's credential (raises :class:`JoinError`)."""
+        return await in_thread(redeem, token, name, address, self.pepper)
+
     async def check_in(self, credential: str, wanted: str | None, address: str) -> Hold:
         """Verify a connecting worker's credential and take its identity's hold.
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 import logging
 
 import msgspec
-from django.conf import settings
 
 from relay.core.ratelimit import client_address
 from relay.server import runtime
-from relay.server.bookkeeper import in_thread
 from relay.server.http.request import ClientGone, header, host_allowed, is_json, read_body
 from relay.server.http.send import Receive, Scope, Send, send_error, send_json
-from relay.server.identities import JoinError, redeem
+from relay.server.identities import JoinError
 from relay.wire import joining
 from relay.wire.errors import (
     BadRequest,
@@ -82,7 +80,7 @@ class JoinApp:
         except msgspec.DecodeError as exc:
             raise BadRequest(f"Invalid join request: {exc}") from None
         try:
-            joined = await in_thread(redeem, asked.token, asked.name, peer, settings.SECRET_PEPPER)
+            joined = await rt.identities.join(asked.token, asked.name, peer)
         except JoinError as exc:
             if exc.counts:
                 rt.throttle.failure(peer)
