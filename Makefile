@@ -52,7 +52,8 @@ PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tes
 	tests/server/test_fair_share.py tests/server/test_live_limits.py \
 	tests/server/test_batches_api.py \
 	tests/server/test_message_batches.py tests/server/test_batch_claims.py \
-	tests/test_batches_e2e.py tests/server/test_edge_admission.py
+	tests/test_batches_e2e.py tests/server/test_edge_admission.py \
+	tests/server/test_joining.py
 
 # The live tests run once more under the alternative server, manage.py serve --server uvicorn.
 UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures.py \
