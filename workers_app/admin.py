@@ -11,6 +11,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
+from django.urls import reverse
 from django.utils.html import format_html
 
 from relay.server import control
@@ -294,7 +295,8 @@ class JoinTokenAdmin(admin.ModelAdmin):
     def response_add(
         self, request: HttpRequest, obj: JoinToken, post_url_continue: Any = None
     ) -> HttpResponse:
-        return HttpResponseRedirect("../")  # the list, where the token is shown once
+        # The list, where the token is shown once (there is no change page to go to).
+        return HttpResponseRedirect(reverse("admin:workers_app_jointoken_changelist"))
 
     @admin.action(description="Revoke selected join tokens", permissions=["delete"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[JoinToken]) -> None:

@@ -388,3 +388,43 @@ def _pepper() -> str:
     from django.conf import settings
 
     return settings.SECRET_PEPPER
+
+
+@pytest.fixture
+async def staff(provider):
+    from django.contrib.auth.models import User
+    from django.test import AsyncClient
+
+    user = await sync_to_async(User.objects.create_superuser)("root", "root@example.com", "pw")
+    client = AsyncClient()
+    await client.aforce_login(user)
+    return client
+
+
+async def test_the_django_admin_mints_a_token_once_and_revokes_a_worker(staff, provider):
+    from workers_app.models import JoinedWorker, JoinToken
+
+    add = "/django-admin/workers_app/jointoken/add/"
+    bad = await staff.post(add, {"provider": provider.pk, "uses": "1", "ttl": "40d"})
+    assert "at most 30 days" in bad.content.decode() and not await JoinToken.objects.aexists()
+    form = {"provider": provider.pk, "uses": "1", "ttl": "2h"}
+    response = await staff.post(add, form, follow=True)
+    page = response.content.decode()
+    assert "Join token for provider <b>local</b>" in page
+    token = page.split("user-select:all'>")[1].split("<")[0]
+    row = await JoinToken.objects.aget()
+    assert row.prefix == token[:12] and row.created_by == "admin: root"
+    assert 7190 < (row.expires_at - row.created_at).total_seconds() < 7210
+    listing = (await staff.get("/django-admin/workers_app/jointoken/")).content.decode()
+    assert token not in listing and "usable" in listing
+
+    body = (await join(token, "admin-box"))[1]
+    async with joined(body["credential"]) as worker:
+        await worker.register(["m"])
+        workers = (await staff.get("/django-admin/workers_app/joinedworker/")).content.decode()
+        assert "admin-box" in workers and "192.0.2.10" in workers
+        action = {"action": "revoke", "_selected_action": [str(body["worker_id"])]}
+        await staff.post("/django-admin/workers_app/joinedworker/", action, follow=True)
+        assert await worker.wait_closed() == (1008, "worker credential revoked")
+    assert (await JoinedWorker.objects.aget()).revoked_at is not None
+    assert (await staff.get("/django-admin/workers_app/joinedworker/add/")).status_code == 403
