@@ -194,6 +194,13 @@ def test_a_fresh_venv_installs_the_wheel_and_joins_with_two_flags(relay_server, 
             wait_for(lambda: served_models(relay_server) == ["tiny-model"], 20, "the model")
             answer = chat(relay_server, "tiny-model")
             assert answer.status_code == 200 and answer.json()["choices"]
+            # A copy of the box (its state directory too) is refused while this one is
+            # connected, and asks again with the usual backoff: a hold left by a relay
+            # process that died lapses by itself.
+            with running([*map(str, command)], env, tmp_path) as copy:
+                copy.wait_log("is connected already); reconnecting in")
+            assert "the proxy refused this worker" not in copy.log
+            assert chat(relay_server, "tiny-model").status_code == 200
         assert worker.proc.returncode == 0, worker.log
         saved = home / ".config" / "modelrelay-worker" / "credential.json"
         assert stat.S_IMODE(saved.stat().st_mode) == 0o600

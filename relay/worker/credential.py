@@ -57,6 +57,17 @@ MAX_RETRY_AFTER_SECS = 900.0
 TOKEN_PREFIX_LEN = 12
 
 
+#: How the relay refuses a credential whose identity another connection holds. That hold
+#: lapses by itself when the relay process holding it died (WORKER_LEASE_SECS), so the
+#: worker asks again with its usual backoff, not the slow retry of a refusal.
+HELD_ELSEWHERE = "is connected already"
+
+
+def held_elsewhere(reason: str) -> bool:
+    """Whether a close reason is the relay's "another connection holds this identity"."""
+    return HELD_ELSEWHERE in reason
+
+
 class JoinRefused(Exception):
     """The relay refused the join token (spent, expired, revoked, unknown), or the
     credential cannot be kept; retrying with the same settings cannot help."""

@@ -222,7 +222,7 @@ class Worker:
             log.info("graceful shutdown complete")
             return None
         code, reason = ws.close_code, ws.close_reason or "no reason given"
-        if code in REFUSAL_CODES:
+        if code in REFUSAL_CODES and not credential.held_elsewhere(reason):
             log.error(
                 "the proxy refused this worker (close code %s: %s); %s; retrying in %.0fs",
                 code,
