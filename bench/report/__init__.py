@@ -9,6 +9,7 @@
 - :mod:`bench.report.classes`: (j) priority classes;
 - :mod:`bench.report.affinity`: (k) cache-aware routing;
 - :mod:`bench.report.fleet`: (l) fleet observability (tracing, federation);
+- :mod:`bench.report.ondemand`: (m) models on demand;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
 - :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.
@@ -18,7 +19,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import affinity, batches, classes, cluster, fleet, goals, ratios, sections
+from bench.report import (
+    affinity,
+    batches,
+    classes,
+    cluster,
+    fleet,
+    goals,
+    ondemand,
+    ratios,
+    sections,
+)
 
 LEGEND = (
     "CPU columns are shares of one core over the measured window, from `/proc/<pid>/stat`: "
@@ -46,5 +57,6 @@ def tables(res: dict[str, Any]) -> str:
         classes.classes(res),
         affinity.affinity(res),
         fleet.fleet(res),
+        ondemand.ondemand(res),
     ]
     return "\n".join(line for part in parts for line in part)

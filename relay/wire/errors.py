@@ -31,9 +31,11 @@ Hierarchy::
     │   ├── RequeueExhausted
     │   ├── WorkerLost
     │   ├── WorkerUnavailable       (cluster: placed again by the client's process)
+    │   ├── ModelLoadFailed         (no worker could load the model)
     │   └── ShuttingDown
     ├── GatewayTimeout              (504)
     │   ├── QueueTimeout
+    │   ├── ModelLoadTimeout        (the model was not loaded in time)
     │   └── RequestTimeout
     ├── StreamTooLarge              (502, only ever seen mid-stream)
     ├── SlowClient                  (499, only ever seen mid-stream)
@@ -322,6 +324,17 @@ class WorkerUnavailable(ServiceUnavailable):
         self.headers.append((b"x-modelrelay-requeue", b"spend" if spend else b"free"))
 
 
+class ModelLoadFailed(ServiceUnavailable):
+    """Models on demand (SPEC §19): every worker that holds the model failed to load it."""
+
+    code = "model_load_failed"
+    retry_after = 5
+    outcome = "model_load_failed"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"Model '{_shown(model)}' could not be loaded on any worker")
+
+
 class ShuttingDown(ServiceUnavailable):
     code = "shutting_down"
     default_message = "Server is shutting down, please retry"
@@ -342,6 +355,17 @@ class QueueTimeout(GatewayTimeout):
     code = "queue_timeout"
     default_message = "Request timed out waiting for worker"
     outcome = "queue_timeout"
+
+
+class ModelLoadTimeout(GatewayTimeout):
+    """Models on demand (SPEC §19): the request waited MODEL_LOAD_TIMEOUT_SECS for its
+    model to be loaded somewhere."""
+
+    code = "model_load_timeout"
+    outcome = "model_load_timeout"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"Model '{_shown(model)}' could not be loaded in time")
 
 
 class RequestTimeout(GatewayTimeout):

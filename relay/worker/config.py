@@ -60,6 +60,16 @@ class Config:
     probe_ports: tuple[int, ...]
     #: This worker's own credential, once joined (set at start-up, never a flag).
     credential: str
+    #: Models on demand (SPEC §19): whether the worker reports model states when its
+    #: backend loads models on demand; how many models the backend holds at once when
+    #: it does not say (None: no known bound); vLLM's runtime LoRA adapters it may load
+    #: (name -> path); how often states are read from a backend without events, and
+    #: how long one load or unload may take.
+    model_states: bool
+    models_max: int | None
+    lora_adapters: tuple[tuple[str, str], ...]
+    model_poll_secs: float
+    model_op_timeout_secs: float
 
     @property
     def connect_url(self) -> str:
@@ -118,6 +128,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
+    return value
+
+
 def _url(*schemes: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         parts = urlsplit(text.strip())
@@ -170,6 +187,18 @@ def _join_token(text: str) -> str:
     return token
 
 
+def _adapters(text: str) -> tuple[tuple[str, str], ...]:
+    adapters: dict[str, str] = {}
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise argparse.ArgumentTypeError(f"expected name=path, got {item.strip()!r}")
+        adapters[name.strip()] = path.strip()
+    return tuple(adapters.items())
+
+
 def _level(text: str) -> str:
     if text.lower() not in ("debug", "info", "warning", "error"):
         raise argparse.ArgumentTypeError("use debug, info, warning or error")
@@ -205,6 +234,13 @@ OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
      "requests this box runs at once; omitted: llama-server's slot count (GET /props), else 1"),
     ("--model-refresh-secs", "MODEL_REFRESH_SECS", "60", _seconds,
      "how often discovered models are re-read"),
+    ("--models-max", "MODELS_MAX", None, _positive_int,
+     "how many models the backend holds in memory at once, for backends that load models on "
+     "demand and do not say (Ollama's OLLAMA_MAX_LOADED_MODELS, llama-swap); omitted: no "
+     "known bound (llama-server's router tells its --models-max itself)"),
+    ("--lora-adapters", "LORA_ADAPTERS", None, _adapters,
+     "vLLM with runtime LoRA updating: comma-separated name=path adapters the worker may "
+     "load on the relay's word, each served as a model of that name"),
     ("--max-message-bytes", "MAX_MESSAGE_BYTES", str(64 * MIB), _positive_int,
      "largest WebSocket message; keep it equal to the relay's MAX_MESSAGE_BYTES"),
     ("--log-level", "LOG_LEVEL", "info", _level,
@@ -229,6 +265,8 @@ OPTIONS: list[tuple[str, str, str | None, Callable[[str], Any], str | None]] = [
     ("--backend-probe-min-secs", "BACKEND_PROBE_MIN_SECS", "0.5", _seconds, None),
     ("--backend-probe-max-secs", "BACKEND_PROBE_MAX_SECS", "10", _seconds, None),
     ("--probe-ports", "MODELRELAY_PROBE_PORTS", ",".join(map(str, USUAL_PORTS)), _ports, None),
+    ("--model-poll-secs", "MODEL_POLL_SECS", "2", _positive_seconds, None),
+    ("--model-op-timeout-secs", "MODEL_OP_TIMEOUT_SECS", "600", _positive_seconds, None),
 ]  # fmt: skip
 
 
@@ -263,8 +301,17 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         default=env.get("BACKEND_METRICS", "").strip().lower() in ("0", "false", "no", "off"),
         help="send no metrics to the relay (env BACKEND_METRICS=off)",
     )
+    parser.add_argument(
+        "--no-model-states",
+        action="store_true",
+        default=env.get("MODEL_STATES", "").strip().lower() in ("0", "false", "no", "off"),
+        help="register every model as always loaded, even when the backend loads models on "
+        "demand (env MODEL_STATES=off)",
+    )
     values = vars(parser.parse_args(argv))
     values["backend_url"] = values["backend_url"] or ""
+    values["model_states"] = not values.pop("no_model_states")
+    values["lora_adapters"] = values["lora_adapters"] or ()
     if values.pop("no_backend_metrics"):
         values["backend_metrics_url"] = None
     elif not values["backend_metrics_url"]:

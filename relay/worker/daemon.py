@@ -29,6 +29,13 @@ Guarantees (SPEC §7):
   answer) is handed back for the relay to requeue (``backend_unreachable``); a
   backend that refuses connections makes the worker withdraw its models (naming the
   error) until a probe, repeated with backoff, finds it answering again;
+- a backend that loads models on demand (llama-server's router, llama-swap, Ollama,
+  vLLM with sleep mode or runtime LoRA adapters) is recognised at start-up: with the
+  relay's agreement (``model_states``) the worker reports each model's state whenever
+  it changes, and loads and unloads models on the relay's word, one ``model_result``
+  per operation; a plain backend registers exactly as before;
+- a stream whose backend ends it cleanly but without the API's last event (a model
+  unloaded mid-stream) ends with the endpoint's error event and counts as failed;
 - SIGTERM/SIGINT drains: stop taking work, finish in-flight requests, exit 0;
   a second signal exits at once with status 1. Requests that arrive meanwhile are
   refused with a ``worker_draining`` error, which the relay requeues.
@@ -43,8 +50,8 @@ import logging
 import random
 import signal
 import sys
-from collections.abc import AsyncGenerator, Callable, Generator, Sequence
-from typing import cast
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
+from typing import TypeVar, cast
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.client import process_exception as websockets_process_exception
@@ -53,15 +60,20 @@ from websockets.exceptions import InvalidHandshake
 from relay import __version__
 from relay.wire.errors import describe
 from relay.wire.logrecord import formatter
-from relay.wire.protocol import ModelsUpdate
+from relay.wire.protocol import LOADED, ModelsUpdate
 from relay.worker import credential, discovery
 from relay.worker.backend import Backend, BackendNotReady
 from relay.worker.config import Config, parse_config
+from relay.worker.modelhost import ModelHost, Snapshot
+from relay.worker.operations import ModelOperations
 from relay.worker.outbox import encode
+from relay.worker.recognition import recognise
 from relay.worker.session import Session
 from relay.worker.tracing import from_environment as tracing_from_environment
+from relay.worker.tracker import ModelTracker
 
 log = logging.getLogger("modelrelay.worker")
+T = TypeVar("T")
 
 #: Close codes after which reconnecting with the same settings cannot help.
 REFUSAL_CODES = frozenset({1002, 1003, 1008})
@@ -103,16 +115,31 @@ class Worker:
         self._runner: asyncio.Task[None] | None = None
         self._stop_requested = False
         self._discovery = asyncio.Lock()
-        #: Spans around backend calls when OTEL_* turns tracing on (SPEC §17).
+        #: Spans around backend calls when OTEL_* turns tracing on (SPEC §17); else a
+        #: null tracer whose hooks do nothing.
         self.tracing = tracing_from_environment()
         #: Set while the backend cannot be reached (what failed); None while it answers.
         self.backend_error: str | None = None
         self._probe: asyncio.Task[None] | None = None
+        #: The backend's models on demand (SPEC §19): its states, loads and unloads.
+        self._tracker: ModelTracker | None = None
+        self._operations: ModelOperations | None = None
+        self._keeper: asyncio.Task[None] | None = None
 
     @property
     def backend(self) -> Backend:
         assert self._backend is not None, "Worker.run() opens the backend"
         return self._backend
+
+    @property
+    def tracker(self) -> ModelTracker:
+        assert self._tracker is not None, "the worker recognises its backend before it connects"
+        return self._tracker
+
+    @property
+    def operations(self) -> ModelOperations:
+        assert self._operations is not None, "made with the tracker"
+        return self._operations
 
     def advertised(self) -> list[str]:
         return [] if self.draining or self.backend_error is not None else list(self.models)
@@ -130,13 +157,13 @@ class Worker:
                     if task is not None and task.cancelling():
                         raise  # run() itself was cancelled, not just stopped
                 finally:
-                    probe, self._probe = self._probe, None
-                    if probe is not None:
-                        probe.cancel()
-                        await asyncio.gather(probe, return_exceptions=True)
+                    helpers = [t for t in (self._probe, self._keeper) if t is not None]
+                    self._probe = self._keeper = None
+                    for helper in helpers:
+                        helper.cancel()
+                    await asyncio.gather(*helpers, return_exceptions=True)
         finally:
-            if self.tracing is not None:  # export the spans still buffered
-                await asyncio.to_thread(self.tracing.shutdown)
+            await self.tracing.aclose()  # export the spans still buffered
         return self.exit_code
 
     def request_stop(self) -> None:
@@ -163,6 +190,8 @@ class Worker:
 
     async def _serve_forever(self) -> None:
         await self._wait_for_backend()
+        if self.tracker.on_demand:
+            self._keeper = asyncio.create_task(self.tracker.run(), name="model states")
         c = self.config
         while True:
             connector = connect(
@@ -251,30 +280,74 @@ class Worker:
     # -- backend discovery ---------------------------------------------------------
 
     async def _wait_for_backend(self) -> None:
-        """Learn models and slots from the backend, retrying until it answers."""
+        """Learn models and slots from the backend, retrying until it answers.
+
+        With discovered models, also what kind of backend it is: one that loads models
+        on demand is followed by a :class:`ModelTracker` from then on.
+        """
         c = self.config
-        need_models, need_slots = c.models is None, c.max_concurrent is None
-        delays = Backoff(c.backoff_min_secs, c.backoff_max_secs)
-        while need_models or need_slots:
-            try:
-                if need_models:
-                    self.models = await self.backend.discover_models()
-                    need_models = False
-                if need_slots:
-                    self.max_concurrent = await self.backend.probe_slots()
-                    need_slots = False
-            except BackendNotReady as exc:
-                delay = delays.next()
-                log.warning(
-                    "backend at %s is not ready (%s); retrying in %.1fs", c.backend_url, exc, delay
-                )
-                await asyncio.sleep(delay)
+        if c.models is None:
+            self.models = await self._until_ready(self.backend.discover_models)
+            host = await recognise(self.backend.http, c)
+        else:
+            host = ModelHost(self.backend.http, c)
+        tracker = self._tracker = ModelTracker(
+            host, c, self._states_changed, self.backend_unreachable
+        )
+        self._operations = ModelOperations(tracker, c)
+        if host.on_demand:
+            await self._until_ready(tracker.refresh)
+            self.models = tracker.names()
+        if c.max_concurrent is None:
+            if host.reports_slots:
+                self.max_concurrent = max(1, tracker.loaded_slots())
+            else:
+                self.max_concurrent = await self._until_ready(self.backend.probe_slots)
         log.info(
             "backend %s: models %s, max_concurrent %d",
             c.backend_url,
             ", ".join(self.models) or "(none)",
             self.max_concurrent,
         )
+        if host.on_demand:
+            snapshot = tracker.snapshot
+            loaded = [n for n, m in snapshot.models.items() if m.state == LOADED]
+            log.info(
+                "backend %s loads models on demand: %d loaded (%s), %s at once",
+                host.kind,
+                len(loaded),
+                ", ".join(loaded) or "none",
+                "no known bound" if snapshot.capacity is None else f"at most {snapshot.capacity}",
+            )
+
+    async def _until_ready(self, step: Callable[[], Awaitable[T]]) -> T:
+        """``step()``'s result, asked again with backoff while the backend is not ready."""
+        delays = Backoff(self.config.backoff_min_secs, self.config.backoff_max_secs)
+        while True:
+            try:
+                return await step()
+            except BackendNotReady as exc:
+                delay = delays.next()
+                log.warning(
+                    "backend at %s is not ready (%s); retrying in %.1fs",
+                    self.config.backend_url,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+
+    def _states_changed(self, snapshot: Snapshot, names_changed: bool) -> None:
+        """The tracker saw a change: the models to advertise, the slots, and the old
+        relays' ``models_update`` when the names changed (sessions send the states)."""
+        self.models = list(snapshot.models)
+        if self.config.max_concurrent is None and self.tracker.host.reports_slots:
+            self.max_concurrent = max(1, self.tracker.loaded_slots())
+        if not names_changed:
+            return
+        log.info("backend models changed: %s", ", ".join(self.models) or "(none)")
+        session = self._session
+        if session is not None and not self.draining and self.backend_error is None:
+            session.outbox.post(encode(self._models_update(session)))
 
     async def refresh_models(self, session: Session, *, always: bool) -> None:
         """Re-read the backend's models; tell the relay when they changed (or ``always``).
@@ -283,6 +356,18 @@ class Worker:
         withdrawn until the probe finds it again); one that answers uselessly keeps
         the last list.
         """
+        if self.tracker.on_demand:
+            if self.backend_error is None:
+                try:
+                    await self.tracker.refresh()  # a change tells the relay by itself
+                except BackendNotReady as exc:
+                    if exc.unreachable:
+                        self.backend_unreachable(str(exc))
+                        return
+                    log.warning("reading the model states failed (%s); keeping the last", exc)
+            if always:
+                await session.send(self._models_update(session))
+            return
         changed = False
         if self.config.models is None and self.backend_error is None:
             async with self._discovery:
@@ -332,10 +417,15 @@ class Worker:
         """Ask the backend with backoff until it answers; then advertise again."""
         c = self.config
         delays = Backoff(c.backend_probe_min_secs, c.backend_probe_max_secs)
+        models: list[str] | None = None
         while True:
             await asyncio.sleep(delays.next())
             try:
-                models = await self.backend.probe()
+                if self.tracker.on_demand:
+                    await self.tracker.refresh()
+                    models = self.tracker.names()
+                else:
+                    models = await self.backend.probe()
             except BackendNotReady as exc:
                 log.debug("backend probe: %s", exc)
                 continue
@@ -354,6 +444,7 @@ class Worker:
         session = self._session
         if session is not None and not self.draining:
             session.outbox.post(encode(self._models_update(session)))
+        self.tracker.touch()  # the states go out again after the models
 
 
 def configure_logging(level: str, kind: str = "text") -> None:

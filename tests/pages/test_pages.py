@@ -24,7 +24,7 @@ from django.test import AsyncClient, Client
 from relay.core import timeline
 from relay.core.stats import RequestRecord
 from relay.pages import bundle, recipes
-from relay.pages.dashboard import StreamCount
+from relay.pages.dashboard import StreamCount, api_status
 from relay.server import runtime
 from relay.wire import protocol
 from tests.asgikit import SECRET, FakeWorker, HttpCall, make_provider, until
@@ -227,6 +227,83 @@ async def test_the_dashboard_shows_who_is_using_the_pool(staff, settings):
     (row,) = snap["keys"]
     assert (row["in_flight"], row["queued"], row["tokens_today"], row["requests"]) == (0, 0, 11, 2)
     assert snap["recent"][0]["key"] == "team-a"
+
+
+async def test_recent_requests_are_listed_by_when_they_ended_with_their_class(staff):
+    relay = runtime.current().relay
+    # A long request that arrived first and ended last, a batch line preempted once,
+    # and a refusal: the list holds them as they finished.
+    short = replace(_record(200, at=1000.0), request_id="r-short", duration=0.1)
+    line = replace(
+        _record(200, at=1000.5),
+        request_id="r-line",
+        duration=0.3,
+        service_class="flex",
+        preemptions=1,
+    )
+    refused = replace(_record(404, "model_not_found", at=1000.7), request_id="", duration=0.0)
+    long = replace(_record(200, at=999.0), request_id="r-long", duration=2.0)
+    for record in (short, line, refused, long):
+        relay.stats.observe(record)
+    page = (await staff.get("/dashboard")).content.decode()
+    assert "<th>Ended</th>" in page and '<th class="hide-sm">Class</th>' in page
+    assert "latest ended first" in page
+    recent = json.loads(_initial(page))["recent"]
+    shown = [(r["request_id"], r["ended_at"], r["class"], r["preemptions"]) for r in recent]
+    assert shown == [
+        ("r-long", 1001.0, "default", 0),
+        ("r-line", 1000.8, "flex", 1),
+        ("", 1000.7, "default", 0),
+        ("r-short", 1000.1, "default", 0),
+    ]
+
+
+async def test_a_message_batch_shows_the_status_its_api_says(staff):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from batches.models import Batch
+
+    later = timezone.now() + dt.timedelta(days=1)
+    made = [  # ended ones: the engine leaves them as they are
+        ("msgbatch_1", "anthropic", "completed"),
+        ("msgbatch_2", "anthropic", "cancelled"),
+        ("batch_3", "openai", "completed"),
+        ("batch_4", "openai", "cancelled"),
+    ]
+    for public_id, api, status in made:
+        await Batch.objects.acreate(
+            public_id=public_id, api=api, status=status, endpoint="/v1/x", expires_at=later
+        )
+    engine = runtime.current().batches
+    await until(lambda: len(engine.batches) == 4)  # the engine's next look at the database
+    snap = json.loads(_initial((await staff.get("/dashboard")).content.decode()))
+    shown = sorted((b["id"], b["status"], b["api_status"]) for b in snap["batches"])
+    assert shown == [
+        ("batch_3", "completed", "completed"),
+        ("batch_4", "cancelled", "cancelled"),
+        ("msgbatch_1", "completed", "ended"),
+        ("msgbatch_2", "cancelled", "ended"),
+    ]
+    assert all("api_status" not in row for row in engine.batches)  # the engine's own rows
+
+
+def test_message_batches_have_three_statuses_as_their_api_says():
+    from batches.models import STATUSES
+
+    said = {status: api_status({"api": "anthropic", "status": status}) for status in STATUSES}
+    assert said == {
+        "validating": "in_progress",
+        "in_progress": "in_progress",
+        "finalizing": "in_progress",
+        "cancelling": "canceling",
+        "completed": "ended",
+        "failed": "ended",
+        "expired": "ended",
+        "cancelled": "ended",
+    }
+    assert all(api_status({"api": "openai", "status": s}) == s for s in STATUSES)
 
 
 async def test_staff_drain_and_refresh_workers_from_the_dashboard(staff):

@@ -12,6 +12,11 @@ Implements :class:`relay.core.limits.LimitStore`. Redis keys, under
     script counts a process's slots only while its lease runs: the slots of a
     process that died stop counting within ``LIMITS_LEASE_SECS``, and its field is
     deleted once it has been gone for an hour. Nothing leaks when a process dies.
+``reserved:<key id>``
+    HASH: server process → tokens its requests in flight reserved against the key's
+    budgets (see :mod:`relay.core.limits`), counted like the slots: only while the
+    process's lease runs, so the reservations of a process that died stop counting
+    within ``LIMITS_LEASE_SECS``.
 ``rate:<key id>``
     the request-rate allowance (GCRA: the "theoretical arrival time", ms), expiring
     two minutes after it was last moved.
@@ -21,10 +26,11 @@ Implements :class:`relay.core.limits.LimitStore`. Redis keys, under
 
 Admission is one ``EVALSHA`` of :data:`ADMIT`: every check and every increment at
 once, atomically — one round trip, and none for a key without counted limits. When a
-request ends, its slot and its tokens are queued here and written by the store's own
-task, batched into one pipeline per wake-up: never on the request path. If such a
-write fails, the tokens are retried and this process's slot counts for the keys
-concerned are re-asserted from memory by the next heartbeat.
+request ends, its slot, its reservation and its tokens are queued here and written by
+the store's own task, batched into one pipeline per wake-up: never on the request path.
+If such a write fails (or finds less held than it gives back), the tokens are retried
+and this process's slot and reservation counts for the keys concerned are re-asserted
+from memory by the next heartbeat. Every script sets the expiry of what it writes.
 
 If Redis cannot be reached, :meth:`RedisLimitStore.acquire` raises
 :class:`~relay.core.limits.LimitStoreUnavailable` and the limiter admits without the
@@ -106,10 +112,12 @@ class RedisLimitStore:
         self._admit = Script(self.lean, ADMIT) if self.lean else self.redis.register_script(ADMIT)
         self._finish = self.redis.register_script(FINISH)
         self._beat = self.redis.register_script(BEAT)
-        #: Slots this process holds per key: the truth the heartbeat re-asserts.
+        #: Slots and reserved tokens this process holds per key: the truth the
+        #: heartbeat re-asserts.
         self.held: Counter[int] = Counter()
+        self.reserved: Counter[int] = Counter()
         self._repair: set[int] = set()
-        self._pending: list[tuple[int, bool, int, Periods]] = []
+        self._pending: list[tuple[int, bool, int, Periods, int]] = []
         self._wake = asyncio.Event()
         self._spend_source = spend_source
         self._calendar = calendar
@@ -120,7 +128,7 @@ class RedisLimitStore:
         return ":".join((self.prefix, *map(str, parts)))
 
     async def acquire(
-        self, key_id: int, limits: KeyLimits, at: Periods, now: float
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float, reserve: int = 0
     ) -> Refusal | None:
         keys = [
             self._key("live"),
@@ -128,7 +136,9 @@ class RedisLimitStore:
             self._key("rate", key_id),
             self._key("day", key_id, at.day),
             self._key("month", key_id, at.month),
+            self._key("reserved", key_id),
         ]
+        reserving = reserve if limits.budgeted and reserve > 0 else 0
         args: list[str | int] = [
             self.instance,
             self.lease_ms,
@@ -136,50 +146,55 @@ class RedisLimitStore:
             limits.requests_per_minute or 0,
             limits.tokens_per_day or 0,
             limits.tokens_per_month or 0,
+            reserving,
         ]
         counted = limits.max_concurrent is not None
-        if counted:
-            # Before the round trip, so a heartbeat that crosses it cannot re-assert
-            # a count without this slot.
-            self.held[key_id] += 1
+        # Before the round trip, so a heartbeat that crosses it cannot re-assert a
+        # count without this slot and reservation.
+        self._hold(key_id, counted, reserving)
         try:
             code, retry_ms = await self._admit(keys=keys, args=args)
         except _FAILURES as exc:
-            if counted:
-                self._unhold(key_id)
+            self._unhold(key_id, counted, reserving)
             _unless_cancelled(exc)
             raise LimitStoreUnavailable(str(exc) or type(exc).__name__) from exc
         except asyncio.CancelledError:
-            if counted:  # the script may have run: give the slot back either way
-                self.finish(key_id, True, 0, at)
+            if counted or reserving:  # the script may have run: give back either way
+                self.finish(key_id, counted, 0, at, reserving)
             raise
         if code == 0:
             try:
                 _unless_cancelled()
             except asyncio.CancelledError:
-                if counted:
-                    self.finish(key_id, True, 0, at)
+                if counted or reserving:
+                    self.finish(key_id, counted, 0, at, reserving)
                 raise
             return None
-        if counted:
-            self._unhold(key_id)
+        self._unhold(key_id, counted, reserving)
         return Refusal(_REFUSALS[int(code)], int(retry_ms) / 1000)
 
-    def _unhold(self, key_id: int) -> None:
-        left = self.held[key_id] - 1
-        if left > 0:
-            self.held[key_id] = left
-        else:
-            self.held.pop(key_id, None)
+    def _hold(self, key_id: int, slot: bool, tokens: int) -> None:
+        if slot:
+            self.held[key_id] += 1
+        if tokens:
+            self.reserved[key_id] += tokens
 
-    def finish(self, key_id: int, held: bool, tokens: int, at: Periods) -> None:
-        if held:
-            self._unhold(key_id)
+    def _unhold(self, key_id: int, slot: bool, tokens: int) -> None:
+        for counts, amount in ((self.held, int(slot)), (self.reserved, tokens)):
+            if amount:
+                left = counts[key_id] - amount
+                if left > 0:
+                    counts[key_id] = left
+                else:
+                    counts.pop(key_id, None)
+
+    def finish(self, key_id: int, held: bool, tokens: int, at: Periods, reserved: int = 0) -> None:
+        self._unhold(key_id, held, reserved)
         if len(self._pending) < MAX_PENDING:
-            self._pending.append((key_id, held, tokens, at))
+            self._pending.append((key_id, held, tokens, at, reserved))
         else:
             logger.warning("limit store backlog full: dropping a token charge of key %s", key_id)
-            if held:
+            if held or reserved:
                 self._repair.add(key_id)
         self._wake.set()
 
@@ -251,13 +266,14 @@ class RedisLimitStore:
             return
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for key_id, held, tokens, at in batch:
+                for key_id, held, tokens, at, reserved in batch:
                     now = at.day_ends - DAY  # within the day; TTLs need not be exact
                     await self._finish(
                         keys=[
                             self._key("slots", key_id),
                             self._key("day", key_id, at.day),
                             self._key("month", key_id, at.month),
+                            self._key("reserved", key_id),
                         ],
                         args=[
                             self.instance,
@@ -265,35 +281,32 @@ class RedisLimitStore:
                             tokens,
                             int((at.day_ends - now + DAY) * 1000),
                             int((at.month_ends - now + DAY) * 1000),
+                            reserved,
                         ],
                         client=pipe,
                     )
-                await pipe.execute()
+                shorts = await pipe.execute()
         except (*_FAILURES, asyncio.CancelledError) as exc:
-            self._repair.update(key_id for key_id, held, _, _ in batch if held)
-            retry = [(k, False, tokens, at) for k, _, tokens, at in batch if tokens]
+            self._repair.update(k for k, held, _, _, reserved in batch if held or reserved)
+            retry = [(k, False, tokens, at, 0) for k, _, tokens, at, _ in batch if tokens]
             self._pending[:0] = retry[: MAX_PENDING - len(self._pending)]
             if isinstance(exc, asyncio.CancelledError):
                 raise
             _unless_cancelled(exc)
             logger.warning("could not write %d finished request(s) to Redis: %s", len(batch), exc)
+            return
+        # Redis held less for this process than it gave back (it lost some): re-assert.
+        self._repair.update(entry[0] for entry, short in zip(batch, shorts, strict=True) if short)
 
     async def _heartbeat(self) -> None:
         repair, self._repair = self._repair, set()
+        keys = [self._key("live")]
+        args: list[str | int] = [self.instance, self.lease_ms, FORGET_MS]
+        for key_id in repair:  # this process's counts, as it knows them
+            keys += [self._key("slots", key_id), self._key("reserved", key_id)]
+            args += [self.held.get(key_id, 0), self.reserved.get(key_id, 0)]
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                await self._beat(
-                    keys=[self._key("live")],
-                    args=[self.instance, self.lease_ms, FORGET_MS],
-                    client=pipe,
-                )
-                for key_id in repair:
-                    count = self.held.get(key_id, 0)
-                    if count:
-                        pipe.hset(self._key("slots", key_id), self.instance, count)
-                    else:
-                        pipe.hdel(self._key("slots", key_id), self.instance)
-                lost, *_ = await pipe.execute()
+            lost = await self._beat(keys=keys, args=args)
         except _FAILURES as exc:
             self._repair |= repair
             _unless_cancelled(exc)
@@ -303,12 +316,13 @@ class RedisLimitStore:
             await self._recover()
 
     async def _recover(self) -> None:
-        """Our lease was gone: Redis may have lost every counter. Re-assert the slots this
-        process holds, and put back the tokens spent so far where a counter is missing
-        (from the request log, which every process writes: the first to get there wins)."""
+        """Our lease was gone: Redis may have lost every counter. Re-assert the slots and
+        reservations this process holds, and put back the tokens spent so far where a
+        counter is missing (from the request log, which every process writes: the first
+        to get there wins)."""
         self.recoveries += 1
         logger.warning("limit store: this process's lease was gone; re-asserting its slots")
-        self._repair |= set(self.held)
+        self._repair |= set(self.held) | set(self.reserved)
         if self._spend_source is None or self._calendar is None:
             return
         at = self._calendar()

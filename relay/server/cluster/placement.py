@@ -38,6 +38,7 @@ from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.cluster.convergence import LEASE_MARGIN_MS, TROUBLE, Convergence, now_ms
 from relay.server.cluster.leanredis import lean_client
+from relay.server.cluster.loads import ClusterLoads
 from relay.server.cluster.preempt import ClusterPreemption
 from relay.server.cluster.proxy import ProxyPool
 from relay.server.cluster.state import (
@@ -54,7 +55,7 @@ TICK_SECS = 1.0
 TTL_SECS = 5.0
 
 
-class RedisPlacement(Convergence, ClusterPreemption):
+class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
     def __init__(
         self,
         relay: Relay,
@@ -113,6 +114,7 @@ class RedisPlacement(Convergence, ClusterPreemption):
         #: Set when the server stops: its workers are offered as draining from then on.
         self._leaving = False
         self._asks = itertools.count()
+        self._init_loads()
 
     # -- the Placement protocol ------------------------------------------------------
 
@@ -282,6 +284,9 @@ class RedisPlacement(Convergence, ClusterPreemption):
         kind, _, rest = message.partition(" ")
         if kind == "preempt":
             self._spawn(self._preempt_for(rest))
+            return
+        if kind == "ops":  # models on demand: a load for one of our workers (loads.py)
+            self._spawn(self._take_ops())
             return
         entry, _, where = rest.partition(" ")
         if kind == "placed" and entry and where:

@@ -31,6 +31,8 @@ from relay.wire.errors import ProtocolError, describe
 from relay.wire.protocol import (
     Error,
     MetricsSample,
+    ModelResult,
+    ModelStates,
     ModelsUpdate,
     Pong,
     Register,
@@ -315,6 +317,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 relay.on_worker_error(worker, msg)
             case MetricsSample():
                 self._metrics(worker, msg)
+            case ModelStates():
+                relay.on_model_states(worker, msg)
+            case ModelResult():
+                relay.on_model_result(worker, msg)
             case Register():
                 self._violation("duplicate register")
 
@@ -349,6 +355,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             peer=self.peer,
             protocol_version=version,
             features=msg.features,
+            model_states=msg.model_states,
+            model_capacity=msg.model_capacity,
         )
         if self.hold is not None:
             worker.identity = self.hold.identity  # a provider secret rotation spares it
