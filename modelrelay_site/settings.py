@@ -280,6 +280,14 @@ SYNC_SECS = env_float("SYNC_SECS", 1.0)
 REQUEST_LOG_FLUSH_SECS = env_float("REQUEST_LOG_FLUSH_SECS", 1.0)
 REQUIRE_PROTOCOL_VERSION = env_bool("REQUIRE_PROTOCOL_VERSION", False)
 
+# Joining (SPEC §22): how long a join token minted without a TTL stays usable, and how
+# long a joined worker's connection holds its identity in the database unless renewed
+# (a second connection with the same credential is refused meanwhile; a process that
+# died lets go after it). Renewed every third of it at the sync ticks, so never less than
+# three SYNC_SECS (raised to that).
+JOIN_TOKEN_TTL_SECS = env_float("JOIN_TOKEN_TTL_SECS", 3600.0)
+WORKER_LEASE_SECS = max(env_float("WORKER_LEASE_SECS", 15.0), 3 * SYNC_SECS)
+
 AUTH_MAX_FAILURES = env_int("AUTH_MAX_FAILURES", 5, minimum=1)
 AUTH_FAILURE_WINDOW_SECS = env_float("AUTH_FAILURE_WINDOW_SECS", 60.0)
 AUTH_BLOCK_SECS = env_float("AUTH_BLOCK_SECS", 300.0)

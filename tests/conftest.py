@@ -92,6 +92,14 @@ def _close_database_pools(request: pytest.FixtureRequest) -> Iterator[None]:
             connection.close_pool()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_state_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Workers the tests start (in-process or as subprocesses, which inherit this) keep
+    any credential in a directory of this run's own, never in the user's configuration
+    directory, where a credential left by one run would be used by the next."""
+    os.environ["WORKER_STATE_DIR"] = str(tmp_path_factory.mktemp("worker-state"))
+
+
 @pytest.fixture
 def relay_server_factory(
     tmp_path: Path,

@@ -173,6 +173,7 @@ SERVER_PARTS: dict[str, set[str]] = {
     "accesslog": set(),
     "tracing": set(),
     "cors": set(),
+    "identities": {"bookkeeper"},
     "runtime": {
         "cluster",
         "store",
@@ -183,11 +184,12 @@ SERVER_PARTS: dict[str, set[str]] = {
         "tracing",
         "cors",
         "batches",
+        "identities",
     },
     "control": {"runtime", "cluster"},
-    "http": {"runtime", "cluster", "metrics", "tracing", "batches"},
+    "http": {"runtime", "cluster", "metrics", "tracing", "batches", "identities"},
     "batches": {"runtime", "store", "http", "cluster"},
-    "socket": {"runtime", "store", "cluster"},
+    "socket": {"runtime", "store", "cluster", "identities"},
     "legacy": {"runtime", "store", "http", "socket"},
     "admin": {"runtime", "cluster"},
 }

@@ -339,6 +339,10 @@ class Worker:
     #: Its provider's ``eviction`` when it was admitted (see
     #: :class:`~relay.core.config.ProviderPolicy`); None: not tracked.
     eviction: int | None = None
+    #: The id of its own credential when it joined with a token (SPEC §22); None when
+    #: it connected with its provider's shared secret. Rotating that secret never
+    #: closes a worker with its own credential: it is revoked alone.
+    identity: int | None = None
     draining: bool = False
     #: Why the worker withdrew its models: its backend cannot be reached (it said so in
     #: ``register`` or ``models_update``); None while its backend answers.

@@ -39,6 +39,7 @@ from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
+from relay.server.identities import Identities
 from relay.server.metrics import RelayMetrics
 from relay.server.tracing import EdgeTracer
 from relay.server.tracing import from_environment as tracing_from_environment
@@ -109,6 +110,10 @@ class Runtime:
             block=settings.AUTH_BLOCK_SECS,
         )
         self.trusted_proxies: list[Network] = parse_networks(settings.TRUSTED_PROXIES)
+        #: Workers with a credential of their own connected here (SPEC §22).
+        self.identities = Identities(
+            self.relay.instance, settings.SECRET_PEPPER, settings.WORKER_LEASE_SECS
+        )
         self.cors = CorsPolicy(settings.CORS_ALLOWED_ORIGINS)
         self.require_keys: bool = settings.MODELRELAY_REQUIRE_API_KEYS
         self.metrics_token: str = settings.MODELRELAY_METRICS_TOKEN
@@ -321,6 +326,10 @@ class Runtime:
         as_of = self.loop.time()
         policies = await in_thread(store.load_providers, self.config)
         self.relay.sync_providers(policies, as_of=as_of)
+        try:
+            await self.identities.reconcile(self.loop.time())
+        except Exception:
+            logger.exception("checking the joined workers connected here failed")
         if self.require_keys:
             version, keys = await in_thread(store.load_keys, self._keys_version)
             if keys is not None:

@@ -6,7 +6,8 @@ Hierarchy::
     ├── ClientError
     │   ├── BadRequest              (400)
     │   ├── Unauthorized            (401)
-    │   │   └── KeyExpired
+    │   │   ├── KeyExpired
+    │   │   └── JoinRefused     (a join token that cannot be used, SPEC §22)
     │   ├── ModelNotAllowed         (403, the API key may not use the model)
     │   ├── ModelNotFound           (404)
     │   ├── NotFound                (404, a path the relay does not serve)
@@ -103,6 +104,15 @@ class KeyExpired(Unauthorized):
     code = "expired_api_key"
     default_message = "API key has expired"
     outcome = "key_expired"
+
+
+class JoinRefused(Unauthorized):
+    """A join token that cannot be used (SPEC §22): unknown, spent, expired, revoked, or
+    its provider is disabled; the message says which."""
+
+    code = "join_refused"
+    default_message = "Invalid join token"
+    outcome = "join_refused"
 
 
 class ModelNotAllowed(ClientError):

@@ -369,6 +369,11 @@ async def test_the_wizard_walks_a_new_box_to_a_confirmed_live_worker(server, bro
         await _wizard_flow(server, browser, tmp_path)
 
 
+async def test_the_wizard_gives_a_box_two_commands_that_join_it(server, browser, tmp_path):
+    with server_log_on_failure(server):
+        await _join_flow(server, browser, tmp_path)
+
+
 async def _dashboard_flow(server: LiveServer, browser: Any) -> None:
     from playwright.async_api import expect
 
@@ -491,6 +496,7 @@ async def _wizard_flow(server: LiveServer, browser: Any, tmp_path: Path) -> None
     await log_in(page)  # step 3 needs staff; the login brings us back to it
     await page.wait_for_url("**/setup/worker?platform=linux&backend=llama")
     async with FakeUpstream(models=["tiny-llama"]) as upstream:
+        await page.locator('label.choice:has(input[value="new"])').click()
         await page.fill("#id_name", "lab-gpus")
         await page.fill("#id_backend_url", upstream.url)
         await shoot(page, "setup-3-form")
@@ -548,6 +554,99 @@ async def _send_like_curl(snippet: str, base_url: str) -> Any:
         headers = {"Content-Type": "application/json"}
         response = await client.post(argv[1], content=body, headers=headers)
         return response.json()
+
+
+async def _join_flow(server: LiveServer, browser: Any, tmp_path: Path) -> None:
+    """Join with a token (SPEC §22): the two commands the page shows, pasted into a shell
+    on a box with a backend on a port discovery is told of, confirm the worker."""
+    from playwright.async_api import expect
+
+    from relay.pages.wheel import wheel_filename
+
+    page = await new_page(browser)
+    await page.goto(server.url + "/setup/worker?platform=linux&backend=llama")
+    await log_in(page)
+    await page.wait_for_url("**/setup/worker?platform=linux&backend=llama")
+    await expect(page.locator('input[name="mode"][value="join"]')).to_be_checked()
+    await expect(page.locator("#id_provider")).to_be_visible()
+    await expect(page.locator("#id_name")).to_be_hidden()
+    await expect(page.locator("#id_backend_url")).to_have_value("")
+    await shoot(page, "setup-join-form")
+    await page.click("#create-secret")
+
+    token = (await page.locator("#join-token").inner_text()).strip()
+    assert token.startswith("mrj_")
+    install = (await page.locator("#join-install-linux").inner_text()).strip()
+    run = (await page.locator("#join-run-linux").inner_text()).strip()
+    wheel_url = f"{server.url}/setup/{wheel_filename()}"
+    assert (
+        install
+        == f"python3 -m venv modelrelay-worker && modelrelay-worker/bin/pip install {wheel_url}"
+    )
+    assert shell_words(run) == [
+        "modelrelay-worker/bin/modelrelay-worker",
+        "--proxy-url",
+        server.url,
+        "--join-token",
+        token,
+    ]
+    await expect(page.locator("#waiting")).to_be_visible()
+    await shoot(page, "setup-join-commands")
+
+    # A shell on the box: python3 is this interpreter (a fresh venv is made from it).
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "python3").symlink_to(sys.executable)
+    env = {
+        "PATH": f"{tools}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": str(tmp_path),
+        "WORKER_NAME": "joined-box",
+    }
+    for name in ("PIP_FIND_LINKS", "PIP_CERT", "PIP_DEFAULT_TIMEOUT"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    installing = await asyncio.create_subprocess_exec(
+        "sh",
+        "-c",
+        install,
+        cwd=tmp_path,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(300):
+        output, _ = await installing.communicate()
+    assert installing.returncode == 0, output.decode(errors="replace")
+
+    async with FakeUpstream(models=["joined-llama"]) as upstream:
+        env["MODELRELAY_PROBE_PORTS"] = upstream.url.rsplit(":", 1)[1]
+        worker = await asyncio.create_subprocess_exec(
+            "sh",
+            "-c",
+            "exec " + run,  # the signals of _stop reach the worker, not only sh
+            cwd=tmp_path,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            await expect(page.locator("#ready")).to_be_visible(timeout=30_000)
+            await expect(page.locator("#ready-workers")).to_contain_text("joined-box")
+            await expect(page.locator("#ready-workers")).to_contain_text("joined-llama")
+            await shoot(page, "setup-join-ready")
+            answer = await _send_like_curl(
+                await page.locator("#curl-test").inner_text(), server.url
+            )
+            assert answer["model"] == "joined-llama" and answer["choices"]
+        finally:
+            code, log = await _stop(worker)
+        assert code == 0, log
+        assert (
+            "backend: using an OpenAI-compatible server" in log and "the join token is spent" in log
+        )
+    saved = tmp_path / ".config" / "modelrelay-worker" / "credential.json"
+    assert saved.stat().st_mode & 0o777 == 0o600
+    await page.context.close()
 
 
 async def test_at_1400_px_the_dashboard_and_the_admin_lists_show_every_status_column(

@@ -495,7 +495,8 @@ async def test_the_secret_step_requires_a_staff_login(provider):
 
 async def test_the_secret_form_is_prefilled_for_the_chosen_backend(staff):
     page = (await staff.get("/setup/worker?platform=windows&backend=ollama")).content.decode()
-    assert 'value="http://127.0.0.1:11434"' in page
+    # Empty (the worker finds its backend), with the backend's usual URL as the example.
+    assert 'value="" placeholder="http://127.0.0.1:11434"' in page
     assert '<option value="local"' in page
     vllm = (await staff.get("/setup/worker?platform=linux&backend=vllm")).content.decode()
     assert 'name="max_concurrent" id="id_max_concurrent" value="8"' in vllm
@@ -806,3 +807,73 @@ def test_a_worker_that_imports_django_is_not_bundled(tmp_path, monkeypatch):
     monkeypatch.setattr(bundle, "WORKER", fake)
     with pytest.raises(bundle.BundleError, match="django"):
         bundle.build()
+
+
+# -- wizard: joining with a token (SPEC §22) -------------------------------------------------------
+
+JOIN_POST = {
+    **SETUP_POST,
+    "mode": "join",
+    "name": "",
+    "provider": "local",
+    "backend_url": "",
+    "models": "",
+}
+
+
+async def test_joining_in_the_wizard_mints_a_token_and_shows_two_commands_per_platform(staff):
+    from relay.pages.wheel import wheel_filename
+    from workers_app.models import JoinToken
+
+    page = (await staff.post("/setup/worker", JOIN_POST)).content.decode()
+    token = attribute(page, r'id="join-token">([^<]+)<')
+    row = await JoinToken.objects.select_related("provider").aget()
+    assert row.prefix == token[:12] and row.provider.name == "local" and row.uses == 1
+    assert row.created_by.startswith("setup: ")
+    wheel_url = f"http://testserver/setup/{wheel_filename()}"
+    linux = code_block(page, "join-install-linux")
+    assert (
+        linux
+        == f"python3 -m venv modelrelay-worker && modelrelay-worker/bin/pip install {wheel_url}"
+    )
+    assert shell_words(code_block(page, "join-run-linux")) == [
+        "modelrelay-worker/bin/modelrelay-worker",
+        "--proxy-url",
+        "http://testserver",
+        "--join-token",
+        token,
+    ]
+    windows = code_block(page, "join-install-windows").splitlines()
+    assert windows == [
+        "py -m venv modelrelay-worker",
+        rf".\modelrelay-worker\Scripts\python.exe -m pip install {wheel_url}",
+    ]
+    run = code_block(page, "join-run-windows")
+    assert run == (
+        r".\modelrelay-worker\Scripts\modelrelay-worker.exe --proxy-url http://testserver "
+        f"--join-token {token}"
+    )
+    assert f'href="{wheel_url}"' in page
+    assert attribute(page, r'data-status-url="([^"]+)"').startswith("/setup/status?provider=local")
+    # What was asked for goes on the command line, nothing else.
+    asked = {**JOIN_POST, "backend_url": "http://127.0.0.1:8081", "models": "a, b"}
+    page = (await staff.post("/setup/worker", asked)).content.decode()
+    argv = shell_words(code_block(page, "join-run-macos"))
+    assert argv[argv.index("--backend-url") + 1] == "http://127.0.0.1:8081"
+    assert argv[argv.index("--models") + 1] == "a,b"
+
+
+async def test_joining_in_the_wizard_needs_the_permission_to_add_join_tokens(provider):
+    from workers_app.models import JoinToken
+
+    rotator = await _staff_with("workers_app.change_provider", "workers_app.view_provider")
+    form = (await rotator.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert "You may not mint join tokens." in form
+    assert (await rotator.post("/setup/worker", JOIN_POST)).status_code == 403
+    joiner = await _staff_with("workers_app.add_jointoken")
+    form = (await joiner.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert 'name="mode" value="join" checked' in form
+    assert (await joiner.post("/setup/worker", JOIN_POST)).status_code == 200
+    assert await JoinToken.objects.acount() == 1
+    missing = (await joiner.post("/setup/worker", {**JOIN_POST, "provider": ""})).content
+    assert b"Choose the provider the worker joins." in missing

@@ -36,6 +36,7 @@ from relay.server import runtime
 from relay.server.batches import api as batches
 from relay.server.cluster.proxy import TOKEN_HEADER
 from relay.server.http.request import before_body, host_allowed, looks_anthropic, route_table
+from relay.wire import joining
 from relay.wire.errors import (
     BadRequest,
     Flavor,
@@ -156,6 +157,8 @@ def check(method: str, path: str, headers: Headers) -> Verdict:
         return _limited(rt.config.max_request_bytes, flavor)
     if path == oldapi.PATH:
         return _old_api(method, headers)
+    if path == joining.PATH:  # a token and a name (relay/server/http/join.py)
+        return _limited(joining.MAX_JOIN_BYTES, "openai")
     if batches.serves(path):
         return _batches(method, path, headers)
     models = path == "/v1/models" or path.startswith("/v1/models/")
