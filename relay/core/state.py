@@ -100,6 +100,7 @@ class RelayRequest:
         "rank",
         "relay_role",
         "requeues",
+        "resume",
         "seq",
         "service_class",
         "status",
@@ -207,6 +208,9 @@ class RelayRequest:
         #: Models on demand (SPEC §19): it waited in the queue for its model to be
         #: loaded (its queue deadline is then MODEL_LOAD_TIMEOUT_SECS's).
         self.awaits_load = False
+        #: Resumable responses (SPEC §18): "background" or "replay" when its response
+        #: outlives its client (its log is written as it runs), else "".
+        self.resume = ""
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -265,6 +269,7 @@ class RelayRequest:
             relay_role=self.relay_role,
             service_class=self.service_class,
             preemptions=self.preemptions,
+            resume=self.resume,
         )
 
     def __repr__(self) -> str:

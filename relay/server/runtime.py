@@ -21,6 +21,7 @@ from django.conf import settings
 from relay.core import classes, providers, snapshot
 from relay.core.affinity import AffinityConfig
 from relay.core.config import RelayConfig
+from relay.core.keeper import StreamKeeper
 from relay.core.keycache import KeyCache
 from relay.core.keystats import KeyStats, key_name, key_rows
 from relay.core.limits import NO_LIMITS, KeyLimits, Limiter, LimitStore, Ticket
@@ -28,6 +29,8 @@ from relay.core.limitstore import MemoryLimitStore
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
+from relay.core.streamlog import Bounds
+from relay.core.streamstore import MemoryStreams
 from relay.server import store
 from relay.server.batches.engine import BatchEngine
 from relay.server.bookkeeper import Bookkeeper, in_thread
@@ -50,6 +53,8 @@ logger = logging.getLogger("relay.runtime")
 SECRET_ROTATED = providers.SECRET_ROTATED
 #: How long a stopping runtime waits for its background tasks to end.
 STOP_TASKS_SECS = 5.0
+#: Retained streams that expired are forgotten at least this often.
+SWEEP_SECS = 10.0
 
 
 def relay_config() -> RelayConfig:
@@ -94,6 +99,16 @@ def relay_config() -> RelayConfig:
         model_load_timeout=s.MODEL_LOAD_TIMEOUT_SECS,
         model_scale_out_wait=s.MODEL_SCALE_OUT_WAIT_SECS,
         model_idle_unload=s.MODEL_IDLE_UNLOAD_SECS,
+    )
+
+
+def stream_bounds() -> Bounds:
+    s = settings
+    return Bounds(
+        retain_secs=s.STREAM_RETAIN_SECS,
+        max_bytes=s.STREAM_RETAIN_BYTES,
+        total_bytes=s.STREAM_RETAIN_TOTAL_BYTES,
+        per_key=s.STREAM_RETAIN_PER_KEY,
     )
 
 
@@ -146,6 +161,8 @@ class Runtime:
                 self.batches.observe,
             ]
         )
+        #: Resumable responses (SPEC §18): their logs and the pumps that write them.
+        self.streams = StreamKeeper(self.relay, MemoryStreams(stream_bounds()))
         #: OpenTelemetry traces (SPEC §17): a NullTracing unless OTEL_* turns them on.
         self.tracing: EdgeTracer = tracing_from_environment(
             clock=loop.time, keys=self.keys, trust_incoming=settings.OTEL_TRUST_INCOMING
@@ -168,6 +185,7 @@ class Runtime:
             loop.create_task(self._sync_loop()),
             loop.create_task(self.bookkeeper.run()),
             self._batch_task,
+            loop.create_task(self.streams.run(min(settings.STREAM_RETAIN_SECS, SWEEP_SECS))),
         ]
         if isinstance(self.limit_store, RedisLimitStore):
             self._tasks.append(loop.create_task(self.limit_store.run()))
@@ -420,6 +438,7 @@ class Runtime:
                 logger.error("%s failed", _name(task), exc_info=task.exception())
         self._tasks.clear()
         self.federation.close()
+        await self.streams.aclose()
         await self.relay.aclose()
 
 

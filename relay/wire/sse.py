@@ -161,3 +161,52 @@ class StreamEnd:
         elif tail:
             self._tail = b""
         return False
+
+
+class EventSplitter:
+    """Whole server-sent events out of a stream's bytes, however its reads cut it.
+
+    Lines may end with CRLF, LF or CR (the WHATWG ``text/event-stream`` rules), in any
+    mix; a blank line ends an event. Each event comes out with its lines' endings made
+    LF and without its closing blank line (a CR last in a read is held back until the
+    next read shows whether it begins a CRLF). The cost is linear in the bytes fed:
+    the pending part of an event is searched only where new bytes could end it.
+    """
+
+    __slots__ = ("_cr", "_pending")
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._cr = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The events ``data`` completes, in order."""
+        if self._cr:
+            data = b"\r" + data
+        self._cr = data.endswith(b"\r")
+        if self._cr:
+            data = data[:-1]
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        pending = self._pending
+        # A blank line's two LFs may straddle what was pending and what came.
+        search_from = max(0, len(pending) - 1)
+        buffer = pending + data if pending else data
+        events: list[bytes] = []
+        start = 0
+        at = buffer.find(b"\n\n", search_from)
+        while at >= 0:
+            event = buffer[start:at]
+            if event.strip(b"\n"):
+                events.append(event.lstrip(b"\n"))
+            start = at + 2
+            at = buffer.find(b"\n\n", start)
+        self._pending = buffer[start:]
+        return events
+
+    def rest(self) -> bytes:
+        """What was fed after the last whole event (a stream cut inside one)."""
+        rest = self._pending + (b"\n" if self._cr else b"")
+        self._pending = b""
+        self._cr = False
+        return rest.strip(b"\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from relay.core import classes
+from relay.core.background import backend_body
 from relay.server import runtime
 from relay.server.cluster.proxy import (
     CLASS_HEADER,
@@ -13,6 +14,7 @@ from relay.server.cluster.proxy import (
     LEASE_HEADER,
     LIFETIME_HEADER,
 )
+from relay.server.http import resume
 from relay.server.http.request import (
     ClientGone,
     before_body,
@@ -57,6 +59,10 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         if len(model) > rt.config.max_model_name_len:
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
         wanted = classes.asked(header(scope, b"x-priority"), tier)
+        # SPEC §18: None unless the request asks for its response to outlive it.
+        plan = resume.asked(scope, path, head, key_id, flavor)
+        if plan is not None and plan.entry.kind == "background":
+            body, stream = backend_body(raw).decode(), True
     except ClientGone:
         tracing.rejected(trace, 499, "cancelled")
         return
@@ -73,6 +79,16 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         try:  # the key's limits (SPEC §13): one Redis round trip at most
             ticket = await rt.admit(key_id, model, head.prompt.reservation)
         except RelayError as err:
+            relay.record_rejection(err, model, path, stream, key_id)
+            tracing.rejected(trace, err.status, err.outcome, model)
+            await send_error(send, err, flavor, cors)
+            return
+    if plan is not None:
+        try:
+            await rt.streams.open(plan.entry, replace=plan.replace)
+        except RelayError as err:
+            if ticket is not None:
+                ticket.close()
             relay.record_rejection(err, model, path, stream, key_id)
             tracing.rejected(trace, err.status, err.outcome, model)
             await send_error(send, err, flavor, cors)
@@ -97,6 +113,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         # out, a bug included (the application answers that one with a 500).
         if ticket is not None:
             ticket.close()
+        if plan is not None:
+            await rt.streams.forget(plan.entry)
         failed = exc if isinstance(exc, RelayError) else None
         status, outcome = (500, "error") if failed is None else (failed.status, failed.outcome)
         tracing.rejected(trace, status, outcome, model)
@@ -106,7 +124,10 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         return
     tracing.admitted(trace, request)
     logrecord.request_id.set(request.id)  # every line this task logs names it
-    await respond(relay, request, receive, send, cors or [])
+    if plan is None:
+        await respond(relay, request, receive, send, cors or [])
+    else:
+        await resume.serve(rt, plan, request, receive, send, cors or [])
 
 
 def _session(scope: Scope, name: str) -> str | None:
