@@ -285,7 +285,7 @@ class StreamKeeper:
                     if writes:
                         verdict: Verdict = "ok"
                         if not claimed:
-                            verdict = await writer.claim()
+                            verdict = await writer.claim(self._lifetime(request))
                             claimed = verdict != "gone"
                         records, response = shape.feed(data)
                         if verdict != "gone":
@@ -326,10 +326,13 @@ class StreamKeeper:
             # Nobody wrote a byte (it never ran, or ran here and answered at once): the
             # first process to get here ends it (an origin whose request went elsewhere
             # finds the log claimed and leaves it).
-            if await writer.claim() == "gone":
+            if await writer.claim(self._lifetime(request)) == "gone":
                 return
         outcome, records, unary, response = shape.ending(terminal)
         await writer.end(outcome, records, unary=unary, response=response)
+
+    def _lifetime(self, request: RelayRequest) -> float:
+        return max(0.0, request.deadline - self.relay.loop.time())
 
     def _stop(self, request: RelayRequest, verdict: Verdict) -> None:
         logger.info(

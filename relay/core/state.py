@@ -101,6 +101,7 @@ class RelayRequest:
         "relay_role",
         "requeues",
         "resume",
+        "resume_key",
         "seq",
         "service_class",
         "status",
@@ -211,6 +212,8 @@ class RelayRequest:
         #: Resumable responses (SPEC §18): "background" or "replay" when its response
         #: outlives its client (its log is written as it runs), else "".
         self.resume = ""
+        #: Cluster mode: "<gen> <owner> <id>" of its log, for the worker's process.
+        self.resume_key = ""
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 

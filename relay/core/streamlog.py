@@ -136,9 +136,10 @@ class LogWriter(Protocol):
     worker serves it. Every method may be called only in this order: :meth:`claim`
     once, then :meth:`append` any number of times, then :meth:`end` once."""
 
-    async def claim(self) -> Verdict:
-        """Become the log's writer (its first bytes are about to be written). ``gone``:
-        another process writes it, or it was replaced or deleted meanwhile."""
+    async def claim(self, lifetime: float) -> Verdict:
+        """Become the log's writer (its first bytes are about to be written; its request
+        may run ``lifetime`` seconds more). ``gone``: another process writes it, or it
+        was replaced or deleted meanwhile."""
 
     async def append(self, records: list[bytes], response: bytes | None = None) -> Verdict:
         """Add ``records`` (and, background, the response object as it now stands)."""

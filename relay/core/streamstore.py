@@ -357,7 +357,7 @@ class MemoryWriter:
             return "gone"
         return "cancel" if self.log.cancel else "ok"
 
-    async def claim(self) -> Verdict:
+    async def claim(self, lifetime: float) -> Verdict:
         if not self.log.gone and self.log.entry.state == "queued":
             self.log.entry.state = "running"
         return self._verdict()

@@ -29,7 +29,7 @@ from relay.core.limitstore import MemoryLimitStore
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
-from relay.core.streamlog import Bounds
+from relay.core.streamlog import Bounds, StreamStore
 from relay.core.streamstore import MemoryStreams
 from relay.server import store
 from relay.server.batches.engine import BatchEngine
@@ -39,6 +39,7 @@ from relay.server.cluster.control import Cluster, close_workers_of
 from relay.server.cluster.limits import RedisLimitStore
 from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
+from relay.server.cluster.streamstore import RedisStreams
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
 from relay.server.metrics import RelayMetrics
@@ -161,8 +162,18 @@ class Runtime:
                 self.batches.observe,
             ]
         )
-        #: Resumable responses (SPEC §18): their logs and the pumps that write them.
-        self.streams = StreamKeeper(self.relay, MemoryStreams(stream_bounds()))
+        #: Resumable responses (SPEC §18): their logs and the pumps that write them (in
+        #: cluster mode the logs are in Redis, where every process reads them).
+        store: StreamStore = MemoryStreams(stream_bounds())
+        if settings.REDIS_URL:
+            store = RedisStreams(
+                settings.REDIS_URL,
+                settings.REDIS_PREFIX,
+                self.relay.instance,
+                stream_bounds(),
+                running_ttl=settings.REQUEST_TIMEOUT_SECS,
+            )
+        self.streams = StreamKeeper(self.relay, store, broadcast=self._stream_cancel)
         #: OpenTelemetry traces (SPEC §17): a NullTracing unless OTEL_* turns them on.
         self.tracing: EdgeTracer = tracing_from_environment(
             clock=loop.time, keys=self.keys, trust_incoming=settings.OTEL_TRUST_INCOMING
@@ -195,7 +206,11 @@ class Runtime:
         self.cluster_token = cluster_token(settings.SECRET_PEPPER)
         if settings.REDIS_URL:
             self.cluster = Cluster(
-                self.relay, settings.REDIS_URL, settings.REDIS_PREFIX, on_sync=self.poke
+                self.relay,
+                settings.REDIS_URL,
+                settings.REDIS_PREFIX,
+                on_sync=self.poke,
+                on_stream_cancel=self.streams.cancel_here,
             )
             self._tasks.append(loop.create_task(self.cluster.run()))
             self.placement = RedisPlacement(
@@ -211,6 +226,17 @@ class Runtime:
             self._tasks.append(loop.create_task(self.placement.run()))
             if settings.CLUSTER_ADVERTISE_URL:
                 self.placement.listening(settings.CLUSTER_ADVERTISE_URL)
+
+    async def _stream_cancel(self, owner: int | None, stream: str) -> None:
+        """Cluster mode: ask every process to stop a resumable response (its log is
+        marked as well, which its writer reads at its next append: a lost notice only
+        delays the stop)."""
+        if self.cluster is None:
+            return
+        try:
+            await self.cluster.broadcast_stream_cancel(owner, stream)
+        except CLUSTER_TROUBLE as exc:
+            logger.warning("could not tell the other processes to stop %s: %s", stream, exc)
 
     def listening(self, host: str, port: int) -> None:
         """The server listens on ``host:port``: in cluster mode, the other processes

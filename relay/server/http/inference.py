@@ -13,6 +13,7 @@ from relay.server.cluster.proxy import (
     KEY_HEADER,
     LEASE_HEADER,
     LIFETIME_HEADER,
+    RESUME_HEADER,
 )
 from relay.server.http import resume
 from relay.server.http.request import (
@@ -33,6 +34,7 @@ LEASE_HEADER_B = LEASE_HEADER.encode()
 LIFETIME_HEADER_B = LIFETIME_HEADER.encode()
 KEY_HEADER_B = KEY_HEADER.encode()
 CLASS_HEADER_B = CLASS_HEADER.encode()
+RESUME_HEADER_B = RESUME_HEADER.encode()
 
 
 async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
@@ -157,6 +159,7 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         service_class, _, preempted = (header(scope, CLASS_HEADER_B) or b"").decode().partition(" ")
         raw = await read_body(receive, rt.config.max_request_bytes)
         model, stream = parse_head(raw)
+        kept = await resume.placed_entry(rt, header(scope, RESUME_HEADER_B))
         request = relay.submit_pinned(
             worker_id=worker_id,
             lease=lease,
@@ -192,4 +195,7 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
     tracing.admitted(trace, request)
     placement.extend(worker_id, lease, request)
     logrecord.request_id.set(request.id)
-    await respond(relay, request, receive, send, [])
+    if kept is None:
+        await respond(relay, request, receive, send, [])
+    else:
+        await resume.serve_placed(rt, kept, request, receive, send)

@@ -41,8 +41,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import msgspec
+from redis.exceptions import RedisError
 
 from relay.core.background import queued_response, with_status
+from relay.core.keeper import Tee
 from relay.core.state import Completion, RelayRequest
 from relay.core.streamlog import MAX_ID_LEN, Entry
 from relay.server import runtime
@@ -63,8 +65,9 @@ from relay.wire.errors import (
     MethodNotAllowed,
     RelayError,
     StreamNotFound,
+    WorkerUnavailable,
 )
-from relay.wire.sse import STREAM_HEADERS
+from relay.wire.sse import STREAM_HEADERS, error_event
 
 if TYPE_CHECKING:
     from relay.server.runtime import Runtime
@@ -166,12 +169,92 @@ async def serve(
     """Answer the request that created a resumable response: its pump runs from now
     on, owned by the runtime; this client reads the log like any other reader."""
     entry = plan.entry
+    # (Before the request can reach another process: placing it takes a loop turn.)
     request.resume = entry.kind
+    request.resume_key = f"{entry.gen} {_owner(entry.owner)} {entry.id}"
     rt.streams.start(request, entry)
     if entry.kind == "background" and not plan.stream:
         await _send_object(send, entry.response, extra)
         return
     await until_gone(receive, read_log(rt, send, entry, 0, extra, reattach=False))
+
+
+async def placed_entry(rt: Runtime, key: bytes | None) -> Entry | None:
+    """Cluster mode: the log a request another process placed here is to write (its
+    ``x-modelrelay-resume`` header); None for a request that is not resumable. Raises
+    :class:`StreamNotFound` when the log is gone (deleted, or replaced, meanwhile)."""
+    if key is None:
+        return None
+    parsed = parse_key(key.decode("latin-1"))
+    if parsed is None:
+        raise BadRequest("Malformed internal request")
+    gen, owner, stream = parsed
+    try:
+        entry = await rt.streams.store.get(owner, stream)
+    except (RedisError, OSError) as exc:
+        # The log cannot be written from here now: the other process places it again.
+        logger.warning("cannot read the log of %s: %s", stream[:100], exc)
+        raise WorkerUnavailable(spend=False) from None
+    if entry is None or entry.gen != gen:
+        raise StreamNotFound()
+    return entry
+
+
+async def serve_placed(
+    rt: Runtime, entry: Entry, request: RelayRequest, receive: Receive, send: Send
+) -> None:
+    """Run a resumable request another process placed here: this process writes its log
+    (its worker is here) and passes the bytes back to that process while it listens.
+    That process going away, or its client, stops nothing."""
+    request.resume = entry.kind
+    request.resume_key = f"{entry.gen} {_owner(entry.owner)} {entry.id}"
+    tee = Tee(rt.config.stream_buffer_bytes)
+    rt.streams.start(request, entry, tee=tee)
+    try:
+        await until_gone(receive, _forward(tee, send, request.flavor))
+    finally:
+        tee.close()
+
+
+async def _forward(tee: Tee, send: Send, flavor: Flavor) -> None:
+    """What the pump passes on, written as a relayed response (see
+    :mod:`relay.server.http.respond`); returning early leaves the response unfinished,
+    which the other process reads as a broken exchange."""
+    started = False
+    while True:
+        chunks: list[bytes] = []
+        terminal: object = None
+        for item in await tee.next_events():
+            if type(item) is bytes:
+                chunks.append(item)
+            else:
+                terminal = item
+        if chunks:
+            if not started:
+                started = True
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 200,
+                        "headers": STREAM_HEADERS + SECURITY_HEADERS,
+                    }
+                )
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            tee.taken(len(body))
+        if terminal is None:
+            continue
+        if isinstance(terminal, Completion):
+            if started:
+                await send({"type": "http.response.body", "body": terminal.body})
+            else:
+                await send_completion(send, terminal, [])
+        elif isinstance(terminal, RelayError):
+            if started:
+                await send({"type": "http.response.body", "body": error_event(terminal, flavor)})
+            else:
+                await send_error(send, terminal, flavor)
+        return
 
 
 # ----------------------------------------------------------------------------- routes
@@ -390,6 +473,19 @@ async def _disconnected(receive: Receive) -> None:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _owner(owner: int | None) -> str:
+    return "-" if owner is None else str(owner)
+
+
+def parse_key(value: str) -> tuple[str, int | None, str] | None:
+    """``(gen, owner, id)`` of a ``resume_key`` (None: malformed)."""
+    gen, _, rest = value.partition(" ")
+    owner, _, stream = rest.partition(" ")
+    if not gen or not stream or not (owner == "-" or (owner.isdigit() and len(owner) < 19)):
+        return None
+    return gen, None if owner == "-" else int(owner), stream
 
 
 async def _send_object(send: Send, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:

@@ -1,0 +1,568 @@
+"""Resumable responses kept in Redis, where every process of a cluster reads them.
+
+:class:`RedisStreams` is the :class:`~relay.core.streamlog.StreamStore` of cluster mode.
+Each response is three keys under ``<REDIS_PREFIX>:rs:<owner>:``:
+
+- ``<id>:m``, a hash: the entry (kind, state, units written and first held, bytes held,
+  the response object, a non-streamed answer, its writer, the process its client
+  reached, whether someone asked to cancel it);
+- ``<id>:s``, a stream: the log, one entry per record with id ``<first unit>-1`` and the
+  record in field ``d``, then an end marker ``<units written>-2``. A reader finds where
+  to start with one ``XREVRANGE`` (a byte offset falls inside the record before it),
+  replays with ``XRANGE`` and follows with :class:`~relay.server.cluster.followers.Followers`;
+- ``idx``, a sorted set of the owner's ids by creation time (the per-key bound, lookups).
+
+Redis streams rather than a list: entries keep their ids (a byte offset or sequence
+number finds its place in one call), ``XTRIM MINID`` drops a prefix in one call, and
+``XREAD BLOCK`` lets one connection follow many logs. Every change is one script
+(``lua/stream*.lua``), run through the lean client where it applies. Keys expire: a
+running response's after its request's lifetime plus STREAM_RETAIN_SECS, an ended one's
+STREAM_RETAIN_SECS after its end.
+
+Only the writer writes (the process with the worker; scripts refuse anyone else), and it
+counts the bytes: it splits a byte log into records of at most PIECE_BYTES, drops the
+oldest past STREAM_RETAIN_BYTES, and keeps the logs it wrote within
+STREAM_RETAIN_TOTAL_BYTES (the records of those that ended first go first). A log whose
+writer (or, before any byte, the process its client reached) is gone — its process's key
+``<REDIS_PREFIX>:instance:<id>`` expired — is ended by the next reader that notices, with
+the error a live client would have seen (:meth:`RedisStreams.settle`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+
+from relay.core.background import event, with_status
+from relay.core.streamlog import (
+    ENTRY_OVERHEAD,
+    PIECE_BYTES,
+    RECORD_OVERHEAD,
+    Bounds,
+    Entry,
+    Retained,
+    Unary,
+    Verdict,
+)
+from relay.server.cluster.followers import Followers
+from relay.server.cluster.leanredis import Script, lean_client
+from relay.server.cluster.scripts import lua
+from relay.wire.errors import (
+    StreamGone,
+    StreamNotFound,
+    StreamsExceeded,
+    WorkerLost,
+    error_response,
+)
+from relay.wire.sse import error_event
+
+logger = logging.getLogger("relay.streams")
+
+OPEN = lua("streamopen")
+CLAIM = lua("streamclaim")
+APPEND = lua("streamappend")
+END = lua("streamend")
+CANCEL = lua("streamcancel")
+EVICT = lua("streamevict")
+#: A follower that heard nothing for this long looks at its log's entry (ended,
+#: deleted, or its writer gone).
+CHECK_SECS = 2.0
+#: Entries read per XRANGE.
+READ_COUNT = 256
+#: How long an owner's index outlives its last new response.
+_INDEX_MARGIN_SECS = 3600.0
+
+
+def _owner(owner: int | None) -> str:
+    return "-" if owner is None else str(owner)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(slots=True)
+class _Written:
+    """A log this process writes or wrote: what it holds, for the total bound."""
+
+    gen: str
+    size: int
+    ended: float = 0.0
+
+
+class RedisStreams:
+    """:class:`~relay.core.streamlog.StreamStore` in Redis (cluster mode)."""
+
+    def __init__(
+        self,
+        url: str,
+        prefix: str,
+        instance: str,
+        bounds: Bounds,
+        *,
+        running_ttl: float,
+    ) -> None:
+        """``running_ttl``: how long a response may run (the longest request timeout),
+        for the expiry of those not claimed yet."""
+        self.bounds = bounds
+        self.instance = instance
+        self.prefix = f"{prefix}:rs:"
+        self.instances = f"{prefix}:instance:"
+        self.running_ttl = running_ttl
+        self.redis = aioredis.from_url(
+            url,
+            socket_timeout=5,
+            socket_connect_timeout=2,
+            client_name=f"modelrelay:{instance}:streams",
+        )
+        self.lean = lean_client(url, name=f"modelrelay:{instance}:streamlog")
+        fast: Any = (
+            (lambda source: Script(self.lean, source))
+            if self.lean
+            else (self.redis.register_script)
+        )
+        self._open = self.redis.register_script(OPEN)
+        self._claim = fast(CLAIM)
+        self._append = fast(APPEND)
+        self._end = fast(END)
+        self._cancel = self.redis.register_script(CANCEL)
+        self._evict = self.redis.register_script(EVICT)
+        self.followers = Followers(url, f"modelrelay:{instance}:follow", self.redis)
+        #: The logs this process wrote and still counts, oldest first.
+        self.written: OrderedDict[tuple[int | None, str], _Written] = OrderedDict()
+        self.bytes = 0
+        self.evicted = 0
+        self.trimmed = 0
+        self.refused = 0
+        self.settled = 0
+
+    def _keys(self, owner: int | None, stream_id: str) -> tuple[str, str, str]:
+        base = f"{self.prefix}{_owner(owner)}:"
+        return base + stream_id + ":m", base + stream_id + ":s", base + "idx"
+
+    # -- the StreamStore protocol ---------------------------------------------------
+
+    async def open(self, entry: Entry, *, replace: bool, records: Sequence[bytes] = ()) -> None:
+        meta, log, index = self._keys(entry.owner, entry.id)
+        pairs: list[bytes | str] = []
+        for record in records:
+            pairs += [f"{entry.total}-1", record]
+            entry.total += len(record) if entry.kind == "replay" else 1
+            entry.size += len(record) + RECORD_OVERHEAD
+        entry.size += len(entry.response)
+        fields: dict[str, str | bytes] = {
+            "gen": entry.gen,
+            "kind": entry.kind,
+            "flavor": entry.flavor,
+            "created": repr(entry.created),
+            "origin": self.instance,
+            "state": "queued",
+            "total": str(entry.total),
+            "first": "0",
+            "size": str(entry.size),
+            "response": entry.response,
+        }
+        flat = [item for pair in fields.items() for item in pair]
+        ttl = int((self.running_ttl + self.bounds.retain_secs) * 1000)
+        args = [
+            f"{self.prefix}{_owner(entry.owner)}:",
+            entry.id,
+            "1" if replace else "0",
+            self.bounds.per_key,
+            ttl,
+            ttl + int(_INDEX_MARGIN_SECS * 1000),
+            int(entry.created * 1000),
+            len(fields),
+            *flat,
+            len(records),
+            *pairs,
+        ]
+        result = _text(await self._open(keys=[meta, log, index], args=args))
+        if result == "full":
+            self.refused += 1
+            raise StreamsExceeded(self.bounds.per_key)
+        if result != "ok":
+            raise ValueError(f"stream {entry.id!r} is already kept")
+
+    async def get(self, owner: int | None, stream_id: str) -> Entry | None:
+        meta, _, _ = self._keys(owner, stream_id)
+        raw = await self.redis.hgetall(meta)
+        if not raw:
+            return None
+        entry = _entry(owner, stream_id, raw)
+        if not entry.done and await self.settle(entry, raw):
+            return await self.get(owner, stream_id)
+        return entry
+
+    async def follow(self, owner: int | None, stream_id: str, start: int) -> AsyncIterator[bytes]:
+        _, log, _ = self._keys(owner, stream_id)
+        entry = await self.get(owner, stream_id)
+        if entry is None:
+            raise StreamNotFound()
+        if start < entry.first or entry.evicted:
+            raise StreamGone()
+        bytewise = entry.kind == "replay"
+        pos = start
+        # The first read starts (inclusive) at the record holding unit ``start``; the
+        # next ones after the last entry read.
+        bound = f"{pos}-1".encode()
+        if bytewise and pos > 0:
+            before = await self.redis.xrevrange(log, max=bound, min=b"-", count=1)
+            bound = before[0][0] if before else b"0-0"
+        log_key = log.encode()
+        while True:
+            entries = await self.redis.xrange(log, min=bound, max=b"+", count=READ_COUNT)
+            if entries:
+                pieces: list[bytes] = []
+                size = 0
+                for found_id, fields in entries:
+                    bound = b"(" + found_id
+                    data = fields.get(b"d")
+                    first, _ = _split(found_id)
+                    if data is None or first > pos:
+                        # The end marker; or this reader fell behind what the bound keeps.
+                        if pieces:
+                            yield b"".join(pieces)
+                        return
+                    after = first + (len(data) if bytewise else 1)
+                    if after <= pos:
+                        continue  # before where this reader starts
+                    if first < pos:
+                        data = data[pos - first :]
+                    pieces.append(data)
+                    size += len(data)
+                    pos = after
+                    if size >= PIECE_BYTES:
+                        yield b"".join(pieces)
+                        pieces, size = [], 0
+                if pieces:
+                    yield b"".join(pieces)
+                continue
+            if bound.startswith(b"("):
+                last = bound[1:]
+            else:  # nothing at or after the start yet: wait for anything after it
+                first, seq = _split(bound)
+                last = f"{first}-{max(0, seq - 1)}".encode()
+            if not await self.followers.wait(log_key, last, CHECK_SECS):
+                entry = await self.get(owner, stream_id)
+                if entry is None or entry.evicted:
+                    return
+
+    async def lookup(self, owner: int | None, ids: list[str]) -> list[Entry]:
+        _, _, index = self._keys(owner, "")
+        held = [_text(member) for member in await self.redis.zrange(index, 0, -1)]
+        found: list[Entry] = []
+        for wanted in ids:
+            prefix = wanted + "::"
+            for stream_id in held:
+                if stream_id == wanted or stream_id.startswith(prefix):
+                    entry = await self.get(owner, stream_id)
+                    if entry is not None:
+                        found.append(entry)
+        return found
+
+    async def request_cancel(self, owner: int | None, stream_id: str) -> Entry | None:
+        return await self._mark(owner, stream_id, delete=False)
+
+    async def delete(self, owner: int | None, stream_id: str) -> Entry | None:
+        return await self._mark(owner, stream_id, delete=True)
+
+    async def _mark(self, owner: int | None, stream_id: str, *, delete: bool) -> Entry | None:
+        keys = list(self._keys(owner, stream_id))
+        reply = await self._cancel(keys=keys, args=[stream_id, "1" if delete else "0"])
+        if not reply:
+            return None
+        raw = {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
+        return _entry(owner, stream_id, raw)
+
+    def writer(self, entry: Entry) -> RedisWriter:
+        return RedisWriter(self, entry)
+
+    def totals(self) -> Retained:
+        running = sum(1 for held in self.written.values() if not held.ended)
+        return Retained(
+            responses=len(self.written),
+            running=running,
+            bytes=self.bytes,
+            evicted=self.evicted,
+            trimmed=self.trimmed,
+            refused=self.refused,
+        )
+
+    async def sweep(self) -> None:
+        """Stop counting the logs this process wrote that have expired."""
+        cutoff = time.time() - self.bounds.retain_secs
+        for key, held in list(self.written.items()):
+            if held.ended and held.ended <= cutoff:
+                self._uncount(key)
+
+    async def aclose(self) -> None:
+        await self.followers.aclose()
+        await self.redis.aclose()
+        if self.lean is not None:
+            await self.lean.aclose()
+
+    # -- orphans and bounds -----------------------------------------------------------
+
+    async def settle(self, entry: Entry, raw: dict[bytes, bytes]) -> bool:
+        """End a log whose writer (or, before one, whose client's process) is gone, with
+        the error its client would have seen live. True when it did."""
+        responsible = _text(raw.get(b"writer") or raw.get(b"origin") or b"")
+        if not responsible or await self.redis.exists(self.instances + responsible):
+            return False
+        records: list[bytes] = []
+        fields: dict[str, str | bytes] = {"outcome": "failed", "ended": repr(time.time())}
+        lost = WorkerLost()
+        if entry.kind == "background":
+            records.append(
+                event("error", entry.total, code=lost.code, message=lost.message, param=None)
+            )
+            fields["response"] = with_status(
+                entry.response, "failed", {"code": lost.code, "message": lost.message}
+            )
+        elif entry.total > 0:
+            fields["outcome"] = "error"
+            records.append(error_event(lost, entry.flavor))
+        else:
+            fields["outcome"] = "error"
+            status, headers, body = error_response(lost, entry.flavor)
+            fields.update(_unary_fields(Unary(status, _named(headers), body)))
+        meta, log, _ = self._keys(entry.owner, entry.id)
+        pairs: list[bytes | str] = []
+        total = entry.total
+        for record in records:
+            pairs += [f"{total}-1", record]
+            total += len(record) if entry.kind == "replay" else 1
+        fields["total"] = str(total)
+        flat = [item for pair in fields.items() for item in pair]
+        args = [
+            entry.gen,
+            "",
+            str(entry.total),
+            int(self.bounds.retain_secs * 1000),
+            f"{total}-2",
+            len(fields),
+            *flat,
+            *pairs,
+        ]
+        settled = _text(await self._end(keys=[meta, log], args=args)) == "ok"
+        if settled:
+            self.settled += 1
+            logger.warning(
+                "stream %s lost its writer (process %s is gone); ended it", entry.id, responsible
+            )
+        return settled
+
+    def _count(self, key: tuple[int | None, str], gen: str, size: int, ended: float) -> None:
+        held = self.written.get(key)
+        if held is None or held.gen != gen:
+            if held is not None:
+                self._uncount(key)
+            held = self.written[key] = _Written(gen, 0)
+        self.bytes += size - held.size
+        held.size = size
+        if ended:
+            held.ended = ended
+
+    def _uncount(self, key: tuple[int | None, str]) -> None:
+        held = self.written.pop(key, None)
+        if held is not None:
+            self.bytes -= held.size
+
+    async def fit(self) -> None:
+        """Drop the records of the logs written here that ended first, until all the
+        logs written here hold at most STREAM_RETAIN_TOTAL_BYTES."""
+        for key, held in list(self.written.items()):
+            if self.bytes <= self.bounds.total_bytes:
+                return
+            if not held.ended or held.size <= ENTRY_OVERHEAD:
+                continue
+            meta, log, _ = self._keys(*key)
+            result = await self._evict(keys=[meta, log], args=[held.gen, ENTRY_OVERHEAD])
+            if _text(result) == "ok":
+                self.evicted += 1
+                self._count(key, held.gen, ENTRY_OVERHEAD, held.ended)
+            else:
+                self._uncount(key)
+
+
+class RedisWriter:
+    """:class:`~relay.core.streamlog.LogWriter` of a log in Redis."""
+
+    def __init__(self, store: RedisStreams, entry: Entry) -> None:
+        self.store = store
+        self.entry = entry
+        self.key = (entry.owner, entry.id)
+        self.keys = list(store._keys(entry.owner, entry.id))[:2]
+        self.bytewise = entry.kind == "replay"
+        self.total = entry.total
+        self.first = entry.first
+        self.size = entry.size
+        self.response_size = len(entry.response)
+        #: (first unit, bytes) of each record appended and still held, oldest first.
+        self.held: deque[tuple[int, int]] = deque()
+
+    async def claim(self, lifetime: float) -> Verdict:
+        ttl = int((lifetime + self.store.bounds.retain_secs) * 1000) + 1
+        args = [self.entry.gen, self.store.instance, ttl]
+        return _text(await self.store._claim(keys=self.keys, args=args))  # type: ignore[return-value]
+
+    def _records(self, records: list[bytes]) -> list[bytes | str]:
+        pairs: list[bytes | str] = []
+        for record in records:
+            pieces = (
+                [record[i : i + PIECE_BYTES] for i in range(0, len(record), PIECE_BYTES)]
+                if self.bytewise and len(record) > PIECE_BYTES
+                else [record]
+            )
+            for piece in pieces:
+                pairs += [f"{self.total}-1", piece]
+                self.held.append((self.total, len(piece) + RECORD_OVERHEAD))
+                self.size += len(piece) + RECORD_OVERHEAD
+                self.total += len(piece) if self.bytewise else 1
+        return pairs
+
+    def _response(self, response: bytes | None) -> bytes:
+        if response is None:
+            return b""
+        self.size += len(response) - self.response_size
+        self.response_size = len(response)
+        return response
+
+    def _trim(self) -> str:
+        """Drop the oldest records past the bound; the MINID to trim to ('' : none)."""
+        minid = ""
+        while self.size > self.store.bounds.max_bytes and len(self.held) > 1:
+            _, size = self.held.popleft()
+            self.size -= size
+            self.first = self.held[0][0]
+            minid = f"{self.first}-0"
+            self.store.trimmed += 1
+        return minid
+
+    async def append(self, records: list[bytes], response: bytes | None = None) -> Verdict:
+        pairs = self._records(records)
+        changed = self._response(response)
+        minid = self._trim()
+        args = [
+            self.entry.gen,
+            self.store.instance,
+            str(self.total),
+            str(self.first),
+            str(self.size),
+            minid,
+            changed,
+            *pairs,
+        ]
+        verdict = _text(await self.store._append(keys=self.keys, args=args))
+        self.store._count(self.key, self.entry.gen, self.size, 0.0)
+        if self.store.bytes > self.store.bounds.total_bytes:
+            await self.store.fit()
+        return verdict  # type: ignore[return-value]
+
+    async def end(
+        self,
+        outcome: str,
+        records: list[bytes],
+        *,
+        unary: Unary | None = None,
+        response: bytes | None = None,
+    ) -> None:
+        pairs = self._records(records)
+        changed = self._response(response)
+        minid = self._trim()
+        ended = time.time()
+        fields: dict[str, str | bytes] = {
+            "outcome": outcome,
+            "ended": repr(ended),
+            "total": str(self.total),
+            "first": str(self.first),
+        }
+        if changed:
+            fields["response"] = changed
+        if unary is not None:
+            if len(unary.body) > self.store.bounds.max_bytes:
+                unary = Unary(unary.status, unary.headers, b"")
+            fields.update(_unary_fields(unary))
+            self.size += len(unary.body)
+        fields["size"] = str(self.size)
+        flat = [item for pair in fields.items() for item in pair]
+        args = [
+            self.entry.gen,
+            self.store.instance,
+            "",
+            int(self.store.bounds.retain_secs * 1000),
+            f"{self.total}-2",
+            len(fields),
+            *flat,
+            *pairs,
+        ]
+        await self.store._end(keys=self.keys, args=args)
+        if minid:
+            await self.store.redis.xtrim(self.keys[1], minid=minid)
+        self.store._count(self.key, self.entry.gen, self.size, ended)
+        if self.store.bytes > self.store.bounds.total_bytes:
+            await self.store.fit()
+
+
+def _split(entry_id: bytes) -> tuple[int, int]:
+    first, _, seq = entry_id.partition(b"-")
+    return int(first), int(seq or b"0")
+
+
+def _named(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
+
+
+def _unary_fields(unary: Unary) -> dict[str, str | bytes]:
+    return {
+        "unary_status": str(unary.status),
+        "unary_headers": json.dumps(unary.headers),
+        "unary_body": unary.body,
+    }
+
+
+def _entry(owner: int | None, stream_id: str, raw: dict[bytes, bytes]) -> Entry:
+    def text(name: bytes, default: str = "") -> str:
+        value = raw.get(name)
+        return default if value is None else value.decode()
+
+    def number(name: bytes) -> float:
+        try:
+            return float(text(name, "0") or 0)
+        except ValueError:
+            return 0.0
+
+    unary = None
+    if b"unary_status" in raw:
+        try:
+            headers = msgspec.json.decode(raw.get(b"unary_headers") or b"{}")
+        except msgspec.DecodeError:
+            headers = {}
+        unary = Unary(int(number(b"unary_status")), headers, raw.get(b"unary_body") or b"")
+    state = text(b"state", "queued")
+    return Entry(
+        owner=owner,
+        id=stream_id,
+        kind="background" if text(b"kind") == "background" else "replay",
+        flavor=text(b"flavor", "openai"),  # type: ignore[arg-type]
+        created=number(b"created"),
+        ended=number(b"ended"),
+        state=state if state in ("queued", "running", "done") else "queued",  # type: ignore[arg-type]
+        outcome=text(b"outcome"),
+        first=int(number(b"first")),
+        total=int(number(b"total")),
+        size=int(number(b"size")),
+        evicted=raw.get(b"evicted") == b"1",
+        unary=unary,
+        response=raw.get(b"response") or b"",
+        gen=text(b"gen"),
+    )
