@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -367,6 +367,33 @@ class StreamKeeper:
         if not self.cancel_here(owner, stream_id) and not entry.done and self.broadcast:
             await self.broadcast(owner, stream_id)
         return entry
+
+    def describe(self) -> dict[str, Any]:
+        """This process's resumable responses (``/admin/stats``, ``/metrics``): those
+        retained (in cluster mode: the logs this process wrote), their bytes, and what
+        clients did with them here."""
+        totals = self.store.totals()
+        counters = self.counters
+        return {
+            "retained": totals.responses,
+            "running": totals.running,
+            "bytes": totals.bytes,
+            "by_kind": totals.by_kind,
+            "evicted": totals.evicted,
+            "trimmed": totals.trimmed,
+            "refused": totals.refused,
+            "started": counters.started,
+            "reattaches": counters.reattaches,
+            "replayed_bytes": counters.replayed_bytes,
+            "cancels": counters.cancels,
+            "pumps": len(self._tasks),
+            "bounds": {
+                "retain_secs": self.store.bounds.retain_secs,
+                "max_bytes": self.store.bounds.max_bytes,
+                "total_bytes": self.store.bounds.total_bytes,
+                "per_key": self.store.bounds.per_key,
+            },
+        }
 
     async def run(self, every: float) -> None:
         """Owned by the runtime: forget expired responses every ``every`` seconds."""

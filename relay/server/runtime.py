@@ -150,7 +150,10 @@ class Runtime:
         #: Batches (SPEC §16): runs the lines of batches on idle capacity.
         self.batches = BatchEngine(self)
         self.metrics = RelayMetrics(
-            self.relay, key_rows=self._key_rows_now, batch_counts=self.batches.counts
+            self.relay,
+            key_rows=self._key_rows_now,
+            batch_counts=self.batches.counts,
+            stream_counts=lambda: self.streams.describe(),
         )
         self.relay.observers.extend(
             [

@@ -27,6 +27,7 @@ from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
 from relay.server.cluster.control import ClusterUnreachable
 from relay.server.cluster.limits import RedisLimitStore
+from relay.server.cluster.streamstore import RedisStreams
 
 #: The longest drain deadline an operator may set: a day. A draining worker takes no new
 #: work, so an endless (or absurd) deadline would take it out of service for good.
@@ -179,6 +180,9 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
         "store": "redis" if isinstance(rt.limit_store, RedisLimitStore) else "memory",
         "store_failures": rt.limiter.store_failures,
     }
+    # Resumable responses (SPEC §18): this process's.
+    streams = document["streams"] = rt.streams.describe()
+    streams["store"] = "redis" if isinstance(rt.streams.store, RedisStreams) else "memory"
     return document
 
 
