@@ -27,7 +27,7 @@ process of a cluster reads them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -172,7 +172,7 @@ class StreamStore(Protocol):
     async def get(self, owner: int | None, stream_id: str) -> Entry | None:
         """The entry (None: not kept for this owner)."""
 
-    def follow(self, owner: int | None, stream_id: str, start: int) -> AsyncIterator[bytes]:
+    def follow(self, owner: int | None, stream_id: str, start: int) -> AsyncGenerator[bytes, None]:
         """The log from unit ``start`` (raises StreamGone when that was dropped, before
         anything is yielded), then what is written after, until its end."""
 

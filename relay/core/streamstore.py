@@ -23,7 +23,7 @@ import asyncio
 import bisect
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import replace as copy_of
 
 from relay.core.streamlog import (
@@ -174,7 +174,9 @@ class MemoryStreams:
         log = self._live(owner, stream_id)
         return None if log is None else copy_of(log.entry)
 
-    async def follow(self, owner: int | None, stream_id: str, start: int) -> AsyncIterator[bytes]:
+    async def follow(
+        self, owner: int | None, stream_id: str, start: int
+    ) -> AsyncGenerator[bytes, None]:
         log = self._live(owner, stream_id)
         if log is None:
             raise StreamNotFound()

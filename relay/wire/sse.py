@@ -168,9 +168,10 @@ class EventSplitter:
 
     Lines may end with CRLF, LF or CR (the WHATWG ``text/event-stream`` rules), in any
     mix; a blank line ends an event. Each event comes out with its lines' endings made
-    LF and without its closing blank line (a CR last in a read is held back until the
-    next read shows whether it begins a CRLF). The cost is linear in the bytes fed:
-    the pending part of an event is searched only where new bytes could end it.
+    LF and without its closing blank line (a CR last in a read ends its line at once;
+    an LF first in the next read is then the rest of that CRLF). The cost is linear in
+    the bytes fed: the pending part of an event is searched only where new bytes could
+    end it.
     """
 
     __slots__ = ("_cr", "_pending")
@@ -181,11 +182,11 @@ class EventSplitter:
 
     def feed(self, data: bytes) -> list[bytes]:
         """The events ``data`` completes, in order."""
-        if self._cr:
-            data = b"\r" + data
+        if not data:
+            return []
+        if self._cr and data.startswith(b"\n"):
+            data = data[1:]
         self._cr = data.endswith(b"\r")
-        if self._cr:
-            data = data[:-1]
         if b"\r" in data:
             data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         pending = self._pending
@@ -206,7 +207,7 @@ class EventSplitter:
 
     def rest(self) -> bytes:
         """What was fed after the last whole event (a stream cut inside one)."""
-        rest = self._pending + (b"\n" if self._cr else b"")
+        rest = self._pending
         self._pending = b""
         self._cr = False
         return rest.strip(b"\n")

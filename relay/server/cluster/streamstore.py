@@ -34,7 +34,7 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,7 +194,7 @@ class RedisStreams:
 
     async def get(self, owner: int | None, stream_id: str) -> Entry | None:
         meta, _, _ = self._keys(owner, stream_id)
-        raw = await self.redis.hgetall(meta)
+        raw: dict[bytes, bytes] = await self.redis.hgetall(meta)  # type: ignore[assignment]
         if not raw:
             return None
         entry = _entry(owner, stream_id, raw)
@@ -202,7 +202,9 @@ class RedisStreams:
             return await self.get(owner, stream_id)
         return entry
 
-    async def follow(self, owner: int | None, stream_id: str, start: int) -> AsyncIterator[bytes]:
+    async def follow(
+        self, owner: int | None, stream_id: str, start: int
+    ) -> AsyncGenerator[bytes, None]:
         _, log, _ = self._keys(owner, stream_id)
         entry = await self.get(owner, stream_id)
         if entry is None:
@@ -214,6 +216,8 @@ class RedisStreams:
         # The first read starts (inclusive) at the record holding unit ``start``; the
         # next ones after the last entry read.
         bound = f"{pos}-1".encode()
+        before: Any
+        entries: Any
         if bytewise and pos > 0:
             before = await self.redis.xrevrange(log, max=bound, min=b"-", count=1)
             bound = before[0][0] if before else b"0-0"
