@@ -21,6 +21,7 @@ without its terminal event, the output items it completed.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -30,7 +31,8 @@ from relay.wire.sse import EventSplitter
 
 _Object = dict[str, msgspec.Raw]
 _decode_object = msgspec.json.Decoder(_Object).decode
-_encode = msgspec.json.Encoder().encode
+_encoder = msgspec.json.Encoder()
+_encode = _encoder.encode
 _TRUE = msgspec.Raw(b"true")
 #: Events whose response object is the response as it ended, and the status it says.
 TERMINAL = {
@@ -38,6 +40,8 @@ TERMINAL = {
     "response.failed": "failed",
     "response.incomplete": "incomplete",
 }
+#: An event larger than this is rewritten in steps, the loop serving others in between.
+PAUSE_BYTES = 256 * 1024
 #: The statuses of a response that ended (the others: queued, in_progress).
 ENDED = frozenset({"completed", "failed", "incomplete", "cancelled"})
 
@@ -91,7 +95,7 @@ class BackgroundEvents:
         self._splitter = EventSplitter()
         self._items: list[msgspec.Raw] = []
 
-    def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
+    async def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
         """The records ``data`` completes, and the response object when it changed."""
         changed = None
         if not self.type_seen:
@@ -99,19 +103,19 @@ class BackgroundEvents:
             self.response = changed = with_status(self.response, "in_progress")
         records = []
         for raw in self._splitter.feed(data):
-            record, response = self._rewrite(raw)
+            record, response = await self._rewrite(raw)
             if record is not None:
                 records.append(record)
             if response is not None:
                 self.response = changed = response
         return records, changed
 
-    def rest(self) -> list[bytes]:
+    async def rest(self) -> list[bytes]:
         """A last event the stream did not close with a blank line."""
         raw = self._splitter.rest()
         if not raw:
             return []
-        record, response = self._rewrite(raw)
+        record, response = await self._rewrite(raw)
         if response is not None:
             self.response = response
         return [] if record is None else [record]
@@ -135,22 +139,18 @@ class BackgroundEvents:
             document["error"] = msgspec.Raw(_encode(error))
         return _encode(document)
 
-    def _rewrite(self, raw: bytes) -> tuple[bytes | None, bytes | None]:
-        """One backend event as a record (None: left out), and its response object."""
-        name = b""
-        data: list[bytes] = []
-        for line in raw.split(b"\n"):
-            field, _, value = line.partition(b":")
-            if value.startswith(b" "):
-                value = value[1:]
-            if field == b"data":
-                data.append(value)
-            elif field == b"event":
-                name = value
-        if not data:
+    async def _rewrite(self, raw: bytes) -> tuple[bytes | None, bytes | None]:
+        """One backend event as a record (None: left out), and its response object.
+
+        Each step is one pass over the event; between them, an event larger than
+        :data:`PAUSE_BYTES` lets the loop serve others (a response.completed carries the
+        whole answer)."""
+        large = len(raw) > PAUSE_BYTES
+        name, payload = _fields(raw)
+        if payload is None:
             return None, None
         try:
-            document = _decode_object(b"\n".join(data))
+            document = _decode_object(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None, None
         kind = _string(document.get("type")) or name.decode("utf-8", "replace")
@@ -159,6 +159,8 @@ class BackgroundEvents:
         response = None
         inner = document.get("response")
         if inner is not None:
+            if large:
+                await asyncio.sleep(0)
             try:
                 obj = _decode_object(inner)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -166,6 +168,8 @@ class BackgroundEvents:
             if obj is not None:
                 obj["id"] = msgspec.Raw(_encode(self.id))
                 obj["background"] = _TRUE
+                if large:
+                    await asyncio.sleep(0)
                 response = _encode(obj)
                 document["response"] = msgspec.Raw(response)
                 ended = TERMINAL.get(kind)
@@ -173,8 +177,43 @@ class BackgroundEvents:
                     self.ended = ended
         elif kind == "response.output_item.done" and "item" in document:
             self._items.append(document["item"])
-        head = b"event: " + kind.encode() + b"\n" if kind else b""
-        return head + b"data: " + _encode(document) + b"\n\n", response
+        head = b"event: " + kind.encode() + b"\ndata: " if kind else b"data: "
+        if not large:
+            return head + _encode(document) + b"\n\n", response
+        await asyncio.sleep(0)
+        record = bytearray(head)
+        _encoder.encode_into(document, record, -1)
+        record += b"\n\n"
+        await asyncio.sleep(0)
+        return bytes(record), response
+
+
+def _fields(raw: bytes) -> tuple[bytes, memoryview | bytes | None]:
+    """An event's ``event`` name and its data (None: it has none), its lines found
+    without copying them (one data line, as servers write it, is a view of the event)."""
+    name = b""
+    spans: list[tuple[int, int]] = []
+    view = memoryview(raw)
+    pos, size = 0, len(raw)
+    while pos < size:
+        end = raw.find(b"\n", pos)
+        if end < 0:
+            end = size
+        colon = raw.find(b":", pos, end)
+        field_end, value = (end, end) if colon < 0 else (colon, colon + 1)
+        if value < end and raw[value] == 0x20:  # one space after the colon is not part of it
+            value += 1
+        field = view[pos:field_end]
+        if field == b"data":
+            spans.append((value, end))
+        elif field == b"event":
+            name = raw[value:end]
+        pos = end + 1
+    if not spans:
+        return name, None
+    if len(spans) == 1:
+        return name, view[spans[0][0] : spans[0][1]]
+    return name, b"\n".join(raw[start:end] for start, end in spans)
 
 
 def _string(raw: msgspec.Raw | None) -> str:

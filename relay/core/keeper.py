@@ -48,10 +48,10 @@ class Shape(Protocol):
 
     started: bool
 
-    def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
+    async def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
         """Records (and the response object, when it changed) for streamed bytes."""
 
-    def ending(self, terminal: object) -> Ending:
+    async def ending(self, terminal: object) -> Ending:
         """``(outcome, last records, unary answer, final response object)``."""
 
 
@@ -62,11 +62,11 @@ class ReplayShape:
         self.flavor: Flavor = flavor
         self.started = False
 
-    def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
+    async def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
         self.started = True
         return [data], None
 
-    def ending(self, terminal: object) -> Ending:
+    async def ending(self, terminal: object) -> Ending:
         if isinstance(terminal, Completion):
             if self.started:
                 return "ok", [terminal.body] if terminal.body else [], None, None
@@ -88,37 +88,37 @@ class BackgroundShape:
         self.events = events
         self.started = False
 
-    def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
+    async def feed(self, data: bytes) -> tuple[list[bytes], bytes | None]:
         self.started = True
-        return self.events.feed(data)
+        return await self.events.feed(data)
 
-    def ending(self, terminal: object) -> Ending:
+    async def ending(self, terminal: object) -> Ending:
         events = self.events
         if isinstance(terminal, Completion):
             if self.started:
-                records = events.rest()
+                records = await events.rest()
                 status = events.ended
                 if status is None:
                     err = {"code": "stream_ended", "message": "The stream ended early"}
                     return "failed", records, None, events.final("failed", err)
                 return status, records, None, events.final(status)
             if terminal.status < 400:
-                return self._answered(terminal.body)
+                return await self._answered(terminal.body)
             err = error_of(terminal.body, terminal.status)
             record = event("error", events.next_seq, param=None, **err)
             events.next_seq += 1
             return "failed", [record], None, events.final("failed", err)
         if isinstance(terminal, RelayError):
-            records = events.rest() if self.started else []
+            records = await events.rest() if self.started else []
             records.append(events.error(terminal))
             err = {"code": terminal.code, "message": terminal.message}
             return "failed", records, None, events.final("failed", err)
         return "cancelled", [], None, events.final("cancelled")
 
-    def _answered(self, body: bytes) -> Ending:
+    async def _answered(self, body: bytes) -> Ending:
         """A backend that answered with the whole response rather than a stream."""
         self.started = True
-        records, response = self.events.feed(
+        records, response = await self.events.feed(
             b"event: response.completed\ndata: "
             + b'{"type":"response.completed","response":'
             + body
@@ -287,7 +287,7 @@ class StreamKeeper:
                         if not claimed:
                             verdict = await writer.claim(self._lifetime(request))
                             claimed = verdict != "gone"
-                        records, response = shape.feed(data)
+                        records, response = await shape.feed(data)
                         if verdict != "gone":
                             verdict = await writer.append(records, response)
                         if verdict != "ok":
@@ -328,7 +328,7 @@ class StreamKeeper:
             # finds the log claimed and leaves it).
             if await writer.claim(self._lifetime(request)) == "gone":
                 return
-        outcome, records, unary, response = shape.ending(terminal)
+        outcome, records, unary, response = await shape.ending(terminal)
         await writer.end(outcome, records, unary=unary, response=response)
 
     def _lifetime(self, request: RelayRequest) -> float:

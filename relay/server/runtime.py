@@ -147,13 +147,25 @@ class Runtime:
             self.limit_store = MemoryLimitStore()
         self.limiter = Limiter(self.limit_store)
         self.key_stats = KeyStats()
+        #: Resumable responses (SPEC §18): their logs and the pumps that write them (in
+        #: cluster mode the logs are in Redis, where every process reads them).
+        kept: StreamStore = MemoryStreams(stream_bounds())
+        if settings.REDIS_URL:
+            kept = RedisStreams(
+                settings.REDIS_URL,
+                settings.REDIS_PREFIX,
+                self.relay.instance,
+                stream_bounds(),
+                running_ttl=settings.REQUEST_TIMEOUT_SECS,
+            )
+        self.streams = StreamKeeper(self.relay, kept, broadcast=self._stream_cancel)
         #: Batches (SPEC §16): runs the lines of batches on idle capacity.
         self.batches = BatchEngine(self)
         self.metrics = RelayMetrics(
             self.relay,
             key_rows=self._key_rows_now,
             batch_counts=self.batches.counts,
-            stream_counts=lambda: self.streams.describe(),
+            stream_counts=self.streams.describe,
         )
         self.relay.observers.extend(
             [
@@ -165,18 +177,6 @@ class Runtime:
                 self.batches.observe,
             ]
         )
-        #: Resumable responses (SPEC §18): their logs and the pumps that write them (in
-        #: cluster mode the logs are in Redis, where every process reads them).
-        store: StreamStore = MemoryStreams(stream_bounds())
-        if settings.REDIS_URL:
-            store = RedisStreams(
-                settings.REDIS_URL,
-                settings.REDIS_PREFIX,
-                self.relay.instance,
-                stream_bounds(),
-                running_ttl=settings.REQUEST_TIMEOUT_SECS,
-            )
-        self.streams = StreamKeeper(self.relay, store, broadcast=self._stream_cancel)
         #: OpenTelemetry traces (SPEC §17): a NullTracing unless OTEL_* turns them on.
         self.tracing: EdgeTracer = tracing_from_environment(
             clock=loop.time, keys=self.keys, trust_incoming=settings.OTEL_TRUST_INCOMING

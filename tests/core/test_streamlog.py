@@ -281,16 +281,16 @@ def backend_stream(tokens: int) -> bytes:
     return out + b"data: [DONE]\n\n"
 
 
-def test_background_events_get_the_relays_numbers_and_id_however_they_are_cut():
+async def test_background_events_get_the_relays_numbers_and_id_however_they_are_cut():
     queued = queued_response("resp_relay", "m", 5)
     stream = backend_stream(5)
     for seed in range(20):
         events = BackgroundEvents("resp_relay", queued)
         records: list[bytes] = []
         for piece in random_cuts(stream, seed):
-            got, _ = events.feed(piece)
+            got, _ = await events.feed(piece)
             records += got
-        records += events.rest()
+        records += await events.rest()
         documents = [json.loads(r.split(b"data: ", 1)[1]) for r in records]
         assert [d["sequence_number"] for d in documents] == list(range(1, 9))
         assert documents[0]["response"]["id"] == "resp_relay"
@@ -301,10 +301,10 @@ def test_background_events_get_the_relays_numbers_and_id_however_they_are_cut():
         assert final["id"] == "resp_relay" and final["status"] == "completed"
 
 
-def test_a_background_response_cut_short_is_built_from_the_items_it_completed():
+async def test_a_background_response_cut_short_is_built_from_the_items_it_completed():
     events = BackgroundEvents("resp_relay", queued_response("resp_relay", "m", 5))
     whole = backend_stream(3)
-    events.feed(whole[: whole.index(b"event: response.completed")])
+    await events.feed(whole[: whole.index(b"event: response.completed")])
     error = events.error(QueueTimeout())
     assert json.loads(error.split(b"data: ", 1)[1])["type"] == "error"
     final = json.loads(events.final("failed", {"code": "x", "message": "y"}))
