@@ -364,7 +364,10 @@ class StreamKeeper:
         if entry is None:
             return None
         self.counters.cancels += not entry.done
-        if not self.cancel_here(owner, stream_id) and not entry.done and self.broadcast:
+        self.cancel_here(owner, stream_id)
+        if not entry.done and self.broadcast is not None:
+            # Its worker's process may be another (the log's mark reaches it too, at
+            # its next append: this is only sooner).
             await self.broadcast(owner, stream_id)
         return entry
 
