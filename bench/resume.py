@@ -286,7 +286,9 @@ def _fire(url: str, body: bytes, label: str, count: int) -> None:
 
 def _stats(url: str) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {ADMIN}"}
-    return httpx.get(url + "/admin/stats", headers=headers, timeout=30).json()["streams"]
+    return httpx.get(url + "/admin/stats", headers=headers, timeout=30).json()["streams"][
+        "resumable"
+    ]
 
 
 def _wait_idle(url: str, started: int, timeout: float = 300) -> None:

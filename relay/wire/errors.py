@@ -34,6 +34,7 @@ Hierarchy::
     │   ├── WorkerLost
     │   ├── WorkerUnavailable       (cluster: placed again by the client's process)
     │   ├── ModelLoadFailed         (no worker could load the model)
+    │   ├── StreamsUnavailable      (resumable responses cannot be kept or read now)
     │   └── ShuttingDown
     ├── GatewayTimeout              (504)
     │   ├── QueueTimeout
@@ -358,6 +359,14 @@ class ModelLoadFailed(ServiceUnavailable):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"Model '{_shown(model)}' could not be loaded on any worker")
+
+
+class StreamsUnavailable(ServiceUnavailable):
+    """Cluster mode: the store of resumable responses (Redis) cannot be reached."""
+
+    code = "streams_unavailable"
+    default_message = "Resumable responses cannot be kept or read right now, please retry"
+    outcome = "streams_unavailable"
 
 
 class ShuttingDown(ServiceUnavailable):

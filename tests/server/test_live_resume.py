@@ -72,7 +72,9 @@ def resumable_rows(server: LiveServer) -> list[tuple[Any, ...]]:
 
 def stats(server: LiveServer) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {ADMIN}"}
-    return httpx.get(server.url + "/admin/stats", headers=headers, timeout=5).json()["streams"]
+    return httpx.get(server.url + "/admin/stats", headers=headers, timeout=5).json()["streams"][
+        "resumable"
+    ]
 
 
 def event_key(event: Any) -> tuple[str, int, str]:

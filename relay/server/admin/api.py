@@ -181,8 +181,8 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
         "store_failures": rt.limiter.store_failures,
     }
     # Resumable responses (SPEC §18): this process's.
-    streams = document["streams"] = rt.streams.describe()
-    streams["store"] = "redis" if isinstance(rt.streams.store, RedisStreams) else "memory"
+    resumable = document["streams"]["resumable"] = rt.streams.describe()
+    resumable["store"] = "redis" if isinstance(rt.streams.store, RedisStreams) else "memory"
     return document
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from relay.core.background import event, with_status
 from relay.core.streamlog import (
@@ -59,6 +60,7 @@ from relay.wire.errors import (
     StreamGone,
     StreamNotFound,
     StreamsExceeded,
+    StreamsUnavailable,
     WorkerLost,
     error_response,
 )
@@ -75,6 +77,8 @@ EVICT = lua("streamevict")
 #: A follower that heard nothing for this long looks at its log's entry (ended,
 #: deleted, or its writer gone).
 CHECK_SECS = 2.0
+#: What Redis trouble looks like from here.
+TROUBLE = (RedisError, OSError, TimeoutError)
 #: Entries read per XRANGE.
 READ_COUNT = 256
 #: How long an owner's index outlives its last new response.
@@ -129,12 +133,12 @@ class RedisStreams:
             if self.lean
             else (self.redis.register_script)
         )
-        self._open = self.redis.register_script(OPEN)
-        self._claim = fast(CLAIM)
-        self._append = fast(APPEND)
-        self._end = fast(END)
-        self._cancel = self.redis.register_script(CANCEL)
-        self._evict = self.redis.register_script(EVICT)
+        self._open_lua = self.redis.register_script(OPEN)
+        self._claim_lua = fast(CLAIM)
+        self._append_lua = fast(APPEND)
+        self._end_lua = fast(END)
+        self._cancel_lua = self.redis.register_script(CANCEL)
+        self._evict_lua = self.redis.register_script(EVICT)
         self.followers = Followers(url, f"modelrelay:{instance}:follow", self.redis)
         #: The logs this process wrote and still counts, oldest first.
         self.written: OrderedDict[tuple[int | None, str], _Written] = OrderedDict()
@@ -150,7 +154,7 @@ class RedisStreams:
 
     # -- the StreamStore protocol ---------------------------------------------------
 
-    async def open(self, entry: Entry, *, replace: bool, records: Sequence[bytes] = ()) -> None:
+    async def _open(self, entry: Entry, replace: bool, records: Sequence[bytes]) -> None:
         meta, log, index = self._keys(entry.owner, entry.id)
         pairs: list[bytes | str] = []
         for record in records:
@@ -185,28 +189,28 @@ class RedisStreams:
             len(records),
             *pairs,
         ]
-        result = _text(await self._open(keys=[meta, log, index], args=args))
+        result = _text(await self._open_lua(keys=[meta, log, index], args=args))
         if result == "full":
             self.refused += 1
             raise StreamsExceeded(self.bounds.per_key)
         if result != "ok":
             raise ValueError(f"stream {entry.id!r} is already kept")
 
-    async def get(self, owner: int | None, stream_id: str) -> Entry | None:
+    async def _get(self, owner: int | None, stream_id: str) -> Entry | None:
         meta, _, _ = self._keys(owner, stream_id)
         raw: dict[bytes, bytes] = await self.redis.hgetall(meta)  # type: ignore[assignment]
         if not raw:
             return None
         entry = _entry(owner, stream_id, raw)
         if not entry.done and await self.settle(entry, raw):
-            return await self.get(owner, stream_id)
+            return await self._get(owner, stream_id)
         return entry
 
-    async def follow(
+    async def _follow(
         self, owner: int | None, stream_id: str, start: int
     ) -> AsyncGenerator[bytes, None]:
         _, log, _ = self._keys(owner, stream_id)
-        entry = await self.get(owner, stream_id)
+        entry = await self._get(owner, stream_id)
         if entry is None:
             raise StreamNotFound()
         if start < entry.first or entry.evicted:
@@ -256,11 +260,11 @@ class RedisStreams:
                 first, seq = _split(bound)
                 last = f"{first}-{max(0, seq - 1)}".encode()
             if not await self.followers.wait(log_key, last, CHECK_SECS):
-                entry = await self.get(owner, stream_id)
+                entry = await self._get(owner, stream_id)
                 if entry is None or entry.evicted:
                     return
 
-    async def lookup(self, owner: int | None, ids: list[str]) -> list[Entry]:
+    async def _lookup(self, owner: int | None, ids: list[str]) -> list[Entry]:
         _, _, index = self._keys(owner, "")
         held = [_text(member) for member in await self.redis.zrange(index, 0, -1)]
         found: list[Entry] = []
@@ -268,20 +272,63 @@ class RedisStreams:
             prefix = wanted + "::"
             for stream_id in held:
                 if stream_id == wanted or stream_id.startswith(prefix):
-                    entry = await self.get(owner, stream_id)
+                    entry = await self._get(owner, stream_id)
                     if entry is not None:
                         found.append(entry)
         return found
 
+    # -- the StreamStore protocol: Redis trouble is StreamsUnavailable (503) -----------
+
+    async def open(self, entry: Entry, *, replace: bool, records: Sequence[bytes] = ()) -> None:
+        try:
+            await self._open(entry, replace, records)
+        except TROUBLE as exc:
+            raise _unavailable(exc) from None
+
+    async def get(self, owner: int | None, stream_id: str) -> Entry | None:
+        try:
+            return await self._get(owner, stream_id)
+        except TROUBLE as exc:
+            raise _unavailable(exc) from None
+
+    async def follow(
+        self, owner: int | None, stream_id: str, start: int
+    ) -> AsyncGenerator[bytes, None]:
+        pieces = self._follow(owner, stream_id, start)
+        started = False
+        try:
+            async for piece in pieces:
+                started = True
+                yield piece
+        except TROUBLE as exc:
+            if not started:
+                raise _unavailable(exc) from None
+            # The response already started: its stream ends here (reattaching resumes).
+            logger.warning("following %s failed: %s", stream_id[:100], exc)
+        finally:
+            await pieces.aclose()
+
+    async def lookup(self, owner: int | None, ids: list[str]) -> list[Entry]:
+        try:
+            return await self._lookup(owner, ids)
+        except TROUBLE as exc:
+            raise _unavailable(exc) from None
+
     async def request_cancel(self, owner: int | None, stream_id: str) -> Entry | None:
-        return await self._mark(owner, stream_id, delete=False)
+        try:
+            return await self._mark(owner, stream_id, delete=False)
+        except TROUBLE as exc:
+            raise _unavailable(exc) from None
 
     async def delete(self, owner: int | None, stream_id: str) -> Entry | None:
-        return await self._mark(owner, stream_id, delete=True)
+        try:
+            return await self._mark(owner, stream_id, delete=True)
+        except TROUBLE as exc:
+            raise _unavailable(exc) from None
 
     async def _mark(self, owner: int | None, stream_id: str, *, delete: bool) -> Entry | None:
         keys = list(self._keys(owner, stream_id))
-        reply = await self._cancel(keys=keys, args=[stream_id, "1" if delete else "0"])
+        reply = await self._cancel_lua(keys=keys, args=[stream_id, "1" if delete else "0"])
         if not reply:
             return None
         raw = {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
@@ -357,7 +404,7 @@ class RedisStreams:
             *flat,
             *pairs,
         ]
-        settled = _text(await self._end(keys=[meta, log], args=args)) == "ok"
+        settled = _text(await self._end_lua(keys=[meta, log], args=args)) == "ok"
         if settled:
             self.settled += 1
             logger.warning(
@@ -382,20 +429,22 @@ class RedisStreams:
             self.bytes -= held.size
 
     async def fit(self) -> None:
-        """Drop the records of the logs written here that ended first, until all the
-        logs written here hold at most STREAM_RETAIN_TOTAL_BYTES."""
-        for key, held in list(self.written.items()):
-            if self.bytes <= self.bounds.total_bytes:
-                return
-            if not held.ended or held.size <= ENTRY_OVERHEAD:
-                continue
-            meta, log, _ = self._keys(*key)
-            result = await self._evict(keys=[meta, log], args=[held.gen, ENTRY_OVERHEAD])
-            if _text(result) == "ok":
-                self.evicted += 1
-                self._count(key, held.gen, ENTRY_OVERHEAD, held.ended)
-            else:
-                self._uncount(key)
+        """Keep the logs written here within STREAM_RETAIN_TOTAL_BYTES: the records of
+        those that ended first go first, then their entries (as in memory)."""
+        for mode in ("records", "all"):
+            for key, held in list(self.written.items()):
+                if self.bytes <= self.bounds.total_bytes:
+                    return
+                if not held.ended or (mode == "records" and held.size <= ENTRY_OVERHEAD):
+                    continue
+                meta, log, index = self._keys(*key)
+                args = [held.gen, ENTRY_OVERHEAD, mode, key[1]]
+                result = await self._evict_lua(keys=[meta, log, index], args=args)
+                if _text(result) == "ok" and mode == "records":
+                    self.evicted += 1
+                    self._count(key, held.gen, ENTRY_OVERHEAD, held.ended)
+                else:
+                    self._uncount(key)
 
 
 class RedisWriter:
@@ -417,7 +466,7 @@ class RedisWriter:
     async def claim(self, lifetime: float) -> Verdict:
         ttl = int((lifetime + self.store.bounds.retain_secs) * 1000) + 1
         args = [self.entry.gen, self.store.instance, ttl]
-        return _text(await self.store._claim(keys=self.keys, args=args))  # type: ignore[return-value]
+        return _text(await self.store._claim_lua(keys=self.keys, args=args))  # type: ignore[return-value]
 
     def _records(self, records: list[bytes]) -> list[bytes | str]:
         pairs: list[bytes | str] = []
@@ -466,7 +515,7 @@ class RedisWriter:
             changed,
             *pairs,
         ]
-        verdict = _text(await self.store._append(keys=self.keys, args=args))
+        verdict = _text(await self.store._append_lua(keys=self.keys, args=args))
         self.store._count(self.key, self.entry.gen, self.size, 0.0)
         if self.store.bytes > self.store.bounds.total_bytes:
             await self.store.fit()
@@ -509,12 +558,17 @@ class RedisWriter:
             *flat,
             *pairs,
         ]
-        await self.store._end(keys=self.keys, args=args)
+        await self.store._end_lua(keys=self.keys, args=args)
         if minid:
             await self.store.redis.xtrim(self.keys[1], minid=minid)
         self.store._count(self.key, self.entry.gen, self.size, ended)
         if self.store.bytes > self.store.bounds.total_bytes:
             await self.store.fit()
+
+
+def _unavailable(exc: BaseException) -> StreamsUnavailable:
+    logger.warning("the store of resumable responses failed: %s", exc)
+    return StreamsUnavailable()
 
 
 def _split(entry_id: bytes) -> tuple[int, int]:

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import msgspec
-from redis.exceptions import RedisError
 
 from relay.core.background import queued_response, with_status
 from relay.core.keeper import Tee
@@ -65,6 +64,7 @@ from relay.wire.errors import (
     MethodNotAllowed,
     RelayError,
     StreamNotFound,
+    StreamsUnavailable,
     WorkerUnavailable,
 )
 from relay.wire.sse import STREAM_HEADERS, error_event
@@ -191,9 +191,8 @@ async def placed_entry(rt: Runtime, key: bytes | None) -> Entry | None:
     gen, owner, stream = parsed
     try:
         entry = await rt.streams.store.get(owner, stream)
-    except (RedisError, OSError) as exc:
+    except StreamsUnavailable:
         # The log cannot be written from here now: the other process places it again.
-        logger.warning("cannot read the log of %s: %s", stream[:100], exc)
         raise WorkerUnavailable(spend=False) from None
     if entry is None or entry.gen != gen:
         raise StreamNotFound()
