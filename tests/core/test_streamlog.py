@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from typing import Any
 
 import pytest
 
 from relay.core.background import BackgroundEvents, backend_body, queued_response
-from relay.core.streamlog import ENTRY_OVERHEAD, RECORD_OVERHEAD, Bounds, Entry
+from relay.core.streamlog import ENTRY_OVERHEAD, RECORD_OVERHEAD, Bounds, Entry, Kind
 from relay.core.streamstore import MemoryStreams
 from relay.wire.errors import QueueTimeout, StreamGone, StreamNotFound, StreamsExceeded
 from relay.wire.sse import EventSplitter
@@ -26,10 +27,10 @@ class Clock:
         return self.now
 
 
-def entry(stream_id: str = "c", owner: int | None = 1, kind: str = "replay") -> Entry:
+def entry(stream_id: str = "c", owner: int | None = 1, kind: Kind = "replay") -> Entry:
     return Entry(
         owner=owner, id=stream_id, kind=kind, flavor="openai", created=1000.0, gen=stream_id
-    )  # type: ignore[arg-type]
+    )
 
 
 async def opened(store: MemoryStreams, *args: object, **kw: object):
@@ -267,8 +268,13 @@ def random_cuts(data: bytes, seed: int) -> list[bytes]:
 
 
 def backend_stream(tokens: int) -> bytes:
-    response = {"id": "resp_backend", "object": "response", "status": "in_progress", "output": []}
-    lines = [("response.created", {"response": response})]
+    response: dict[str, Any] = {
+        "id": "resp_backend",
+        "object": "response",
+        "status": "in_progress",
+        "output": [],
+    }
+    lines: list[tuple[str, dict[str, Any]]] = [("response.created", {"response": response})]
     lines += [("response.output_text.delta", {"delta": f"t{i}"}) for i in range(tokens)]
     item = {"type": "message", "id": "m", "content": [{"type": "output_text", "text": "t"}]}
     lines.append(("response.output_item.done", {"item": item, "output_index": 0}))

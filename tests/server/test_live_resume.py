@@ -362,9 +362,8 @@ def test_every_new_route_refuses_what_is_out_of_bounds(kept: Stack) -> None:
     assert httpx.get(f"{url}/v1/responses/{created.id}/cancel").status_code == 405
     # The header.
     for value in (over, "é"):
-        refused = httpx.post(
-            url + CHAT, content=body, headers={**JSON, "x-conversation-id": value.encode()}
-        )
+        raw = {b"content-type": b"application/json", b"x-conversation-id": value.encode()}
+        refused = httpx.post(url + CHAT, content=body, headers=raw)
         assert refused.status_code == 400
     background = json.dumps({"model": MODEL, "input": "hi", "background": "yes"}).encode()
     assert httpx.post(url + RESPONSES, content=background, headers=JSON).status_code == 400
@@ -534,7 +533,7 @@ def test_a_background_response_dropped_while_queued_runs_when_a_slot_frees(
         with client.responses.create(
             model=MODEL, input="hi", background=True, stream=True, extra_body=mock_body(tokens=4)
         ) as stream:
-            queued = next(iter(stream))
+            queued: Any = next(iter(stream))
         response_id = queued.response.id
         poll(lambda: queue_depth(relay_server) == 1, what="the response to wait in the queue")
         assert client.responses.retrieve(response_id).status == "queued"

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from typing import Any
 
 import pytest
 
-from relay.core.streamlog import ENTRY_OVERHEAD, RECORD_OVERHEAD, Bounds, Entry
+from relay.core.streamlog import ENTRY_OVERHEAD, RECORD_OVERHEAD, Bounds, Entry, Kind
 from relay.server.cluster.streamstore import RedisStreams
 from relay.wire.errors import StreamGone, StreamNotFound, StreamsExceeded, StreamsUnavailable
 from tests.conftest import REDIS_URL, require_redis
@@ -25,14 +26,8 @@ async def stores():
     prefix = f"mrtest-{secrets.token_hex(4)}"
     made = []
 
-    def make(instance: str, **bounds: object) -> RedisStreams:
-        store = RedisStreams(
-            REDIS_URL,
-            prefix,
-            instance,
-            Bounds(**bounds),
-            running_ttl=60,  # type: ignore[arg-type]
-        )
+    def make(instance: str, **bounds: Any) -> RedisStreams:
+        store = RedisStreams(REDIS_URL, prefix, instance, Bounds(**bounds), running_ttl=60)
         made.append(store)
         return store
 
@@ -43,14 +38,9 @@ async def stores():
         await store.aclose()
 
 
-def entry(stream_id: str = "c", owner: int | None = 1, kind: str = "replay") -> Entry:
+def entry(stream_id: str = "c", owner: int | None = 1, kind: Kind = "replay") -> Entry:
     return Entry(
-        owner=owner,
-        id=stream_id,
-        kind=kind,
-        flavor="openai",
-        created=1.0,
-        gen=secrets.token_hex(4),  # type: ignore[arg-type]
+        owner=owner, id=stream_id, kind=kind, flavor="openai", created=1.0, gen=secrets.token_hex(4)
     )
 
 

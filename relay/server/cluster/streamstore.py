@@ -438,7 +438,7 @@ class RedisStreams:
                 if not held.ended or (mode == "records" and held.size <= ENTRY_OVERHEAD):
                     continue
                 meta, log, index = self._keys(*key)
-                args = [held.gen, ENTRY_OVERHEAD, mode, key[1]]
+                args: list[Any] = [held.gen, ENTRY_OVERHEAD, mode, key[1]]
                 result = await self._evict_lua(keys=[meta, log, index], args=args)
                 if _text(result) == "ok" and mode == "records":
                     self.evicted += 1
