@@ -14,6 +14,7 @@ from relay.core.streamlog import ENTRY_OVERHEAD, RECORD_OVERHEAD, Bounds, Entry,
 from relay.server.cluster.streamstore import RedisStreams
 from relay.wire.errors import StreamGone, StreamNotFound, StreamsExceeded, StreamsUnavailable
 from tests.conftest import REDIS_URL, require_redis
+from tests.stall import STALL_BUDGET_MS, LoopStalls
 from tests.upstream import unused_port
 
 pytestmark = pytest.mark.redis
@@ -182,3 +183,24 @@ async def test_redis_out_of_reach_is_a_503_not_a_crash():
             await read_all(store, 1, "c", 0)
     finally:
         await store.aclose()
+
+
+async def test_replaying_the_largest_log_from_redis_never_holds_the_loop(stores):
+    store, reader = stores("a"), stores("b")
+    made = entry("big")
+    await store.open(made, replace=True)
+    writer = store.writer(made)
+    await writer.claim(60)
+    record = b"r" * (64 * 1024 - 1) + b"\n"
+    for _ in range(store.bounds.max_bytes // len(record) // 8):
+        await writer.append([record] * 8)  # 64 KiB records, as large as the writer cuts
+    await writer.end("ok", [])
+    kept = await reader.get(1, "big")
+    assert kept is not None
+    async with LoopStalls() as stalls:
+        size = 0
+        async for piece in reader.follow(1, "big", kept.first):
+            size += len(piece)
+            await asyncio.sleep(0)  # as the HTTP edge does between sends
+    assert size == kept.total - kept.first > 7 * 1024 * 1024
+    assert stalls.longest_ms < STALL_BUDGET_MS

@@ -159,7 +159,8 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         service_class, _, preempted = (header(scope, CLASS_HEADER_B) or b"").decode().partition(" ")
         raw = await read_body(receive, rt.config.max_request_bytes)
         model, stream = parse_head(raw)
-        kept = await resume.placed_entry(rt, header(scope, RESUME_HEADER_B))
+        resumable = header(scope, RESUME_HEADER_B)
+        kept = None if resumable is None else await resume.placed_entry(rt, resumable)
         request = relay.submit_pinned(
             worker_id=worker_id,
             lease=lease,

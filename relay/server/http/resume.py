@@ -179,12 +179,10 @@ async def serve(
     await until_gone(receive, read_log(rt, send, entry, 0, extra, reattach=False))
 
 
-async def placed_entry(rt: Runtime, key: bytes | None) -> Entry | None:
+async def placed_entry(rt: Runtime, key: bytes) -> Entry:
     """Cluster mode: the log a request another process placed here is to write (its
-    ``x-modelrelay-resume`` header); None for a request that is not resumable. Raises
-    :class:`StreamNotFound` when the log is gone (deleted, or replaced, meanwhile)."""
-    if key is None:
-        return None
+    ``x-modelrelay-resume`` header). Raises :class:`StreamNotFound` when the log is gone
+    (deleted, or replaced, meanwhile)."""
     parsed = parse_key(key.decode("latin-1"))
     if parsed is None:
         raise BadRequest("Malformed internal request")
