@@ -9,16 +9,22 @@ interrupted (``CLIENT UNBLOCK``), so the read starts over with its stream includ
 Nothing here is trusted to be perfect: a wait has a bound (the reader then looks for
 itself, and checks whether its log ended, was deleted, or lost its writer), and a failed
 read wakes everyone and starts over after a short pause.
+
+:func:`read_log` is one reader: it replays a log from a unit (a byte offset, or an event
+number) and follows it to its end marker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from relay.core.streamlog import PIECE_BYTES
 
 logger = logging.getLogger("relay.streams")
 
@@ -26,6 +32,11 @@ logger = logging.getLogger("relay.streams")
 BLOCK_MS = 5000
 #: After a failed read, the next one starts this much later.
 RETRY_SECS = 0.2
+#: A follower that heard nothing for this long looks at its log's entry (ended,
+#: deleted, or its writer gone).
+CHECK_SECS = 2.0
+#: Entries read per XRANGE.
+READ_COUNT = 256
 #: Tries to interrupt a read that has not blocked in Redis yet, this far apart.
 UNBLOCK_TRIES = 20
 UNBLOCK_EVERY = 0.005
@@ -153,3 +164,67 @@ class Followers:
                 pass
         self._wake_all()
         await self._reset()
+
+
+async def read_log(
+    redis: aioredis.Redis,
+    followers: Followers,
+    log: str,
+    bytewise: bool,
+    start: int,
+    still_kept: Callable[[], Awaitable[bool]],
+) -> AsyncGenerator[bytes, None]:
+    """The log from unit ``start`` (entry ids are ``<first unit>-1``, the end marker
+    ``<units>-2``), then what is appended, until its end marker. It ends early when the
+    reader falls behind what the log keeps, or when a quiet wait finds the log gone
+    (``still_kept()`` false)."""
+    pos = start
+    # The first read starts (inclusive) at the record holding unit ``start``; the next
+    # ones after the last entry read.
+    bound = f"{pos}-1".encode()
+    before: Any
+    entries: Any
+    if bytewise and pos > 0:
+        before = await redis.xrevrange(log, max=bound, min=b"-", count=1)
+        bound = before[0][0] if before else b"0-0"
+    log_key = log.encode()
+    while True:
+        entries = await redis.xrange(log, min=bound, max=b"+", count=READ_COUNT)
+        if entries:
+            pieces: list[bytes] = []
+            size = 0
+            for found_id, fields in entries:
+                bound = b"(" + found_id
+                data = fields.get(b"d")
+                first, _ = _split(found_id)
+                if data is None or first > pos:
+                    # The end marker; or this reader fell behind what the bound keeps.
+                    if pieces:
+                        yield b"".join(pieces)
+                    return
+                after = first + (len(data) if bytewise else 1)
+                if after <= pos:
+                    continue  # before where this reader starts
+                if first < pos:
+                    data = data[pos - first :]
+                pieces.append(data)
+                size += len(data)
+                pos = after
+                if size >= PIECE_BYTES:
+                    yield b"".join(pieces)
+                    pieces, size = [], 0
+            if pieces:
+                yield b"".join(pieces)
+            continue
+        if bound.startswith(b"("):
+            last = bound[1:]
+        else:  # nothing at or after the start yet: wait for anything after it
+            first, seq = _split(bound)
+            last = f"{first}-{max(0, seq - 1)}".encode()
+        if not await followers.wait(log_key, last, CHECK_SECS) and not await still_kept():
+            return
+
+
+def _split(entry_id: bytes) -> tuple[int, int]:
+    first, _, seq = entry_id.partition(b"-")
+    return int(first), int(seq or b"0")

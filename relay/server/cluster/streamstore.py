@@ -19,10 +19,11 @@ number finds its place in one call), ``XTRIM MINID`` drops a prefix in one call,
 running response's after its request's lifetime plus STREAM_RETAIN_SECS, an ended one's
 STREAM_RETAIN_SECS after its end.
 
-Only the writer writes (the process with the worker; scripts refuse anyone else), and it
-counts the bytes: it splits a byte log into records of at most PIECE_BYTES, drops the
-oldest past STREAM_RETAIN_BYTES, and keeps the logs it wrote within
-STREAM_RETAIN_TOTAL_BYTES (the records of those that ended first go first). A log whose
+Only the writer writes (the process with the worker; scripts refuse anyone else:
+:mod:`relay.server.cluster.streamwriter`), and it counts the bytes: it splits a byte log
+into records of at most PIECE_BYTES, drops the oldest past STREAM_RETAIN_BYTES, and keeps
+the logs it wrote within STREAM_RETAIN_TOTAL_BYTES (the records of those that ended first
+go first). A log whose
 writer (or, before any byte, the process its client reached) is gone — its process's key
 ``<REDIS_PREFIX>:instance:<id>`` expired — is ended by the next reader that notices, with
 the error a live client would have seen (:meth:`RedisStreams.settle`).
@@ -30,10 +31,9 @@ the error a live client would have seen (:meth:`RedisStreams.settle`).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,29 +42,24 @@ import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from relay.core.background import event, with_status
 from relay.core.streamlog import (
     ENTRY_OVERHEAD,
-    PIECE_BYTES,
     RECORD_OVERHEAD,
     Bounds,
     Entry,
     Retained,
     Unary,
-    Verdict,
 )
-from relay.server.cluster.followers import Followers
+from relay.server.cluster.followers import Followers, read_log
 from relay.server.cluster.leanredis import Script, lean_client
 from relay.server.cluster.scripts import lua
+from relay.server.cluster.streamwriter import RedisWriter, orphan_ending
 from relay.wire.errors import (
     StreamGone,
     StreamNotFound,
     StreamsExceeded,
     StreamsUnavailable,
-    WorkerLost,
-    error_response,
 )
-from relay.wire.sse import error_event
 
 logger = logging.getLogger("relay.streams")
 
@@ -74,13 +69,8 @@ APPEND = lua("streamappend")
 END = lua("streamend")
 CANCEL = lua("streamcancel")
 EVICT = lua("streamevict")
-#: A follower that heard nothing for this long looks at its log's entry (ended,
-#: deleted, or its writer gone).
-CHECK_SECS = 2.0
 #: What Redis trouble looks like from here.
 TROUBLE = (RedisError, OSError, TimeoutError)
-#: Entries read per XRANGE.
-READ_COUNT = 256
 #: How long an owner's index outlives its last new response.
 _INDEX_MARGIN_SECS = 3600.0
 
@@ -134,9 +124,9 @@ class RedisStreams:
             else (self.redis.register_script)
         )
         self._open_lua = self.redis.register_script(OPEN)
-        self._claim_lua = fast(CLAIM)
-        self._append_lua = fast(APPEND)
-        self._end_lua = fast(END)
+        self.claim_script = fast(CLAIM)
+        self.append_script = fast(APPEND)
+        self.end_script = fast(END)
         self._cancel_lua = self.redis.register_script(CANCEL)
         self._evict_lua = self.redis.register_script(EVICT)
         self.followers = Followers(url, f"modelrelay:{instance}:follow", self.redis)
@@ -148,14 +138,14 @@ class RedisStreams:
         self.refused = 0
         self.settled = 0
 
-    def _keys(self, owner: int | None, stream_id: str) -> tuple[str, str, str]:
+    def keys_of(self, owner: int | None, stream_id: str) -> tuple[str, str, str]:
         base = f"{self.prefix}{_owner(owner)}:"
         return base + stream_id + ":m", base + stream_id + ":s", base + "idx"
 
     # -- the StreamStore protocol ---------------------------------------------------
 
     async def _open(self, entry: Entry, replace: bool, records: Sequence[bytes]) -> None:
-        meta, log, index = self._keys(entry.owner, entry.id)
+        meta, log, index = self.keys_of(entry.owner, entry.id)
         pairs: list[bytes | str] = []
         for record in records:
             pairs += [f"{entry.total}-1", record]
@@ -197,7 +187,7 @@ class RedisStreams:
             raise ValueError(f"stream {entry.id!r} is already kept")
 
     async def _get(self, owner: int | None, stream_id: str) -> Entry | None:
-        meta, _, _ = self._keys(owner, stream_id)
+        meta, _, _ = self.keys_of(owner, stream_id)
         raw: dict[bytes, bytes] = await self.redis.hgetall(meta)  # type: ignore[assignment]
         if not raw:
             return None
@@ -209,63 +199,24 @@ class RedisStreams:
     async def _follow(
         self, owner: int | None, stream_id: str, start: int
     ) -> AsyncGenerator[bytes, None]:
-        _, log, _ = self._keys(owner, stream_id)
+        _, log, _ = self.keys_of(owner, stream_id)
         entry = await self._get(owner, stream_id)
         if entry is None:
             raise StreamNotFound()
         if start < entry.first or entry.evicted:
             raise StreamGone()
-        bytewise = entry.kind == "replay"
-        pos = start
-        # The first read starts (inclusive) at the record holding unit ``start``; the
-        # next ones after the last entry read.
-        bound = f"{pos}-1".encode()
-        before: Any
-        entries: Any
-        if bytewise and pos > 0:
-            before = await self.redis.xrevrange(log, max=bound, min=b"-", count=1)
-            bound = before[0][0] if before else b"0-0"
-        log_key = log.encode()
-        while True:
-            entries = await self.redis.xrange(log, min=bound, max=b"+", count=READ_COUNT)
-            if entries:
-                pieces: list[bytes] = []
-                size = 0
-                for found_id, fields in entries:
-                    bound = b"(" + found_id
-                    data = fields.get(b"d")
-                    first, _ = _split(found_id)
-                    if data is None or first > pos:
-                        # The end marker; or this reader fell behind what the bound keeps.
-                        if pieces:
-                            yield b"".join(pieces)
-                        return
-                    after = first + (len(data) if bytewise else 1)
-                    if after <= pos:
-                        continue  # before where this reader starts
-                    if first < pos:
-                        data = data[pos - first :]
-                    pieces.append(data)
-                    size += len(data)
-                    pos = after
-                    if size >= PIECE_BYTES:
-                        yield b"".join(pieces)
-                        pieces, size = [], 0
-                if pieces:
-                    yield b"".join(pieces)
-                continue
-            if bound.startswith(b"("):
-                last = bound[1:]
-            else:  # nothing at or after the start yet: wait for anything after it
-                first, seq = _split(bound)
-                last = f"{first}-{max(0, seq - 1)}".encode()
-            if not await self.followers.wait(log_key, last, CHECK_SECS):
-                entry = await self._get(owner, stream_id)
-                if entry is None or entry.evicted:
-                    return
+
+        async def still_kept() -> bool:
+            found = await self._get(owner, stream_id)
+            return found is not None and not found.evicted
+
+        async for piece in read_log(
+            self.redis, self.followers, log, entry.kind == "replay", start, still_kept
+        ):
+            yield piece
 
     async def _lookup(self, owner: int | None, ids: list[str]) -> list[Entry]:
-        _, _, index = self._keys(owner, "")
+        _, _, index = self.keys_of(owner, "")
         held = [_text(member) for member in await self.redis.zrange(index, 0, -1)]
         found: list[Entry] = []
         for wanted in ids:
@@ -327,7 +278,7 @@ class RedisStreams:
             raise _unavailable(exc) from None
 
     async def _mark(self, owner: int | None, stream_id: str, *, delete: bool) -> Entry | None:
-        keys = list(self._keys(owner, stream_id))
+        keys = list(self.keys_of(owner, stream_id))
         reply = await self._cancel_lua(keys=keys, args=[stream_id, "1" if delete else "0"])
         if not reply:
             return None
@@ -369,24 +320,8 @@ class RedisStreams:
         responsible = _text(raw.get(b"writer") or raw.get(b"origin") or b"")
         if not responsible or await self.redis.exists(self.instances + responsible):
             return False
-        records: list[bytes] = []
-        fields: dict[str, str | bytes] = {"outcome": "failed", "ended": repr(time.time())}
-        lost = WorkerLost()
-        if entry.kind == "background":
-            records.append(
-                event("error", entry.total, code=lost.code, message=lost.message, param=None)
-            )
-            fields["response"] = with_status(
-                entry.response, "failed", {"code": lost.code, "message": lost.message}
-            )
-        elif entry.total > 0:
-            fields["outcome"] = "error"
-            records.append(error_event(lost, entry.flavor))
-        else:
-            fields["outcome"] = "error"
-            status, headers, body = error_response(lost, entry.flavor)
-            fields.update(_unary_fields(Unary(status, _named(headers), body)))
-        meta, log, _ = self._keys(entry.owner, entry.id)
+        records, fields = orphan_ending(entry)
+        meta, log, _ = self.keys_of(entry.owner, entry.id)
         pairs: list[bytes | str] = []
         total = entry.total
         for record in records:
@@ -404,7 +339,7 @@ class RedisStreams:
             *flat,
             *pairs,
         ]
-        settled = _text(await self._end_lua(keys=[meta, log], args=args)) == "ok"
+        settled = _text(await self.end_script(keys=[meta, log], args=args)) == "ok"
         if settled:
             self.settled += 1
             logger.warning(
@@ -412,7 +347,7 @@ class RedisStreams:
             )
         return settled
 
-    def _count(self, key: tuple[int | None, str], gen: str, size: int, ended: float) -> None:
+    def count(self, key: tuple[int | None, str], gen: str, size: int, ended: float) -> None:
         held = self.written.get(key)
         if held is None or held.gen != gen:
             if held is not None:
@@ -437,155 +372,19 @@ class RedisStreams:
                     return
                 if not held.ended or (mode == "records" and held.size <= ENTRY_OVERHEAD):
                     continue
-                meta, log, index = self._keys(*key)
+                meta, log, index = self.keys_of(*key)
                 args: list[Any] = [held.gen, ENTRY_OVERHEAD, mode, key[1]]
                 result = await self._evict_lua(keys=[meta, log, index], args=args)
                 if _text(result) == "ok" and mode == "records":
                     self.evicted += 1
-                    self._count(key, held.gen, ENTRY_OVERHEAD, held.ended)
+                    self.count(key, held.gen, ENTRY_OVERHEAD, held.ended)
                 else:
                     self._uncount(key)
-
-
-class RedisWriter:
-    """:class:`~relay.core.streamlog.LogWriter` of a log in Redis."""
-
-    def __init__(self, store: RedisStreams, entry: Entry) -> None:
-        self.store = store
-        self.entry = entry
-        self.key = (entry.owner, entry.id)
-        self.keys = list(store._keys(entry.owner, entry.id))[:2]
-        self.bytewise = entry.kind == "replay"
-        self.total = entry.total
-        self.first = entry.first
-        self.size = entry.size
-        self.response_size = len(entry.response)
-        #: (first unit, bytes) of each record appended and still held, oldest first.
-        self.held: deque[tuple[int, int]] = deque()
-
-    async def claim(self, lifetime: float) -> Verdict:
-        ttl = int((lifetime + self.store.bounds.retain_secs) * 1000) + 1
-        args = [self.entry.gen, self.store.instance, ttl]
-        return _text(await self.store._claim_lua(keys=self.keys, args=args))  # type: ignore[return-value]
-
-    def _records(self, records: list[bytes]) -> list[bytes | str]:
-        pairs: list[bytes | str] = []
-        for record in records:
-            pieces = (
-                [record[i : i + PIECE_BYTES] for i in range(0, len(record), PIECE_BYTES)]
-                if self.bytewise and len(record) > PIECE_BYTES
-                else [record]
-            )
-            for piece in pieces:
-                pairs += [f"{self.total}-1", piece]
-                self.held.append((self.total, len(piece) + RECORD_OVERHEAD))
-                self.size += len(piece) + RECORD_OVERHEAD
-                self.total += len(piece) if self.bytewise else 1
-        return pairs
-
-    def _response(self, response: bytes | None) -> bytes:
-        if response is None:
-            return b""
-        self.size += len(response) - self.response_size
-        self.response_size = len(response)
-        return response
-
-    def _trim(self) -> str:
-        """Drop the oldest records past the bound; the MINID to trim to ('' : none)."""
-        minid = ""
-        while self.size > self.store.bounds.max_bytes and len(self.held) > 1:
-            _, size = self.held.popleft()
-            self.size -= size
-            self.first = self.held[0][0]
-            minid = f"{self.first}-0"
-            self.store.trimmed += 1
-        return minid
-
-    async def append(self, records: list[bytes], response: bytes | None = None) -> Verdict:
-        pairs = self._records(records)
-        changed = self._response(response)
-        minid = self._trim()
-        args = [
-            self.entry.gen,
-            self.store.instance,
-            str(self.total),
-            str(self.first),
-            str(self.size),
-            minid,
-            changed,
-            *pairs,
-        ]
-        verdict = _text(await self.store._append_lua(keys=self.keys, args=args))
-        self.store._count(self.key, self.entry.gen, self.size, 0.0)
-        if self.store.bytes > self.store.bounds.total_bytes:
-            await self.store.fit()
-        return verdict  # type: ignore[return-value]
-
-    async def end(
-        self,
-        outcome: str,
-        records: list[bytes],
-        *,
-        unary: Unary | None = None,
-        response: bytes | None = None,
-    ) -> None:
-        pairs = self._records(records)
-        changed = self._response(response)
-        minid = self._trim()
-        ended = time.time()
-        fields: dict[str, str | bytes] = {
-            "outcome": outcome,
-            "ended": repr(ended),
-            "total": str(self.total),
-            "first": str(self.first),
-        }
-        if changed:
-            fields["response"] = changed
-        if unary is not None:
-            if len(unary.body) > self.store.bounds.max_bytes:
-                unary = Unary(unary.status, unary.headers, b"")
-            fields.update(_unary_fields(unary))
-            self.size += len(unary.body)
-        fields["size"] = str(self.size)
-        flat = [item for pair in fields.items() for item in pair]
-        args = [
-            self.entry.gen,
-            self.store.instance,
-            "",
-            int(self.store.bounds.retain_secs * 1000),
-            f"{self.total}-2",
-            len(fields),
-            *flat,
-            *pairs,
-        ]
-        await self.store._end_lua(keys=self.keys, args=args)
-        if minid:
-            await self.store.redis.xtrim(self.keys[1], minid=minid)
-        self.store._count(self.key, self.entry.gen, self.size, ended)
-        if self.store.bytes > self.store.bounds.total_bytes:
-            await self.store.fit()
 
 
 def _unavailable(exc: BaseException) -> StreamsUnavailable:
     logger.warning("the store of resumable responses failed: %s", exc)
     return StreamsUnavailable()
-
-
-def _split(entry_id: bytes) -> tuple[int, int]:
-    first, _, seq = entry_id.partition(b"-")
-    return int(first), int(seq or b"0")
-
-
-def _named(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    return {name.decode("latin-1"): value.decode("latin-1") for name, value in headers}
-
-
-def _unary_fields(unary: Unary) -> dict[str, str | bytes]:
-    return {
-        "unary_status": str(unary.status),
-        "unary_headers": json.dumps(unary.headers),
-        "unary_body": unary.body,
-    }
 
 
 def _entry(owner: int | None, stream_id: str, raw: dict[bytes, bytes]) -> Entry:

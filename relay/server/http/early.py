@@ -36,7 +36,7 @@ from relay.server import runtime
 from relay.server.batches import api as batches
 from relay.server.batches import upload
 from relay.server.cluster.proxy import TOKEN_HEADER
-from relay.server.http import resume
+from relay.server.http import reattach
 from relay.server.http.request import before_body, host_allowed, looks_anthropic, route_table
 from relay.wire.errors import (
     BadRequest,
@@ -157,8 +157,8 @@ def check(method: str, path: str, headers: Headers) -> Verdict:
         return _old_api(method, headers)
     if batches.serves(path):
         return _batches(method, path, headers)
-    if resume.serves(path):  # (reattaching reads a small body at most: a lookup's)
-        return _limited(resume.MAX_BODY_BYTES, "openai")
+    if reattach.serves(path):  # (reattaching reads a small body at most: a lookup's)
+        return _limited(reattach.MAX_BODY_BYTES, "openai")
     models = path == "/v1/models" or path.startswith("/v1/models/")
     if models and method not in ("GET", "HEAD"):
         anthropic = any(name == b"anthropic-version" for name, _ in headers)
