@@ -6,6 +6,7 @@ failure) and ``preempt`` (priority classes across processes), ``state`` and ``sc
 (that shared state in Redis, as atomic Lua scripts), ``proxy`` and ``peerhttp`` (a request
 served by another process's worker, over HTTP between the processes), ``control``
 (membership lists and control messages through the channel layer), ``limits`` (the
-per-key limit counters in Redis) and ``leanredis`` (the pipelined client the
-per-request scripts use).
+per-key limit counters in Redis), ``leanredis`` (the pipelined client the
+per-request scripts use), and ``streamstore``, ``streamwriter`` and ``followers``
+(resumable responses' logs in Redis: kept, written, read and followed).
 """

@@ -56,11 +56,20 @@ class ClusterUnreachable(Exception):
 
 class Cluster:
     def __init__(
-        self, relay: Relay, redis_url: str, prefix: str, *, on_sync: Callable[[], None]
+        self,
+        relay: Relay,
+        redis_url: str,
+        prefix: str,
+        *,
+        on_sync: Callable[[], None],
+        on_stream_cancel: Callable[[int | None, str], object] | None = None,
     ) -> None:
-        """``on_sync`` is called when another process changed providers or API keys."""
+        """``on_sync`` is called when another process changed providers or API keys;
+        ``on_stream_cancel(owner, id)`` when one was asked to stop a resumable response
+        (SPEC §18), which may run here."""
         self.relay = relay
         self.on_sync = on_sync
+        self.on_stream_cancel = on_stream_cancel
         self.prefix = prefix
         self.instance = relay.instance
         self.layer: BaseChannelLayer = get_channel_layer()
@@ -148,6 +157,11 @@ class Cluster:
                 )
             case "relay.disconnect_provider":
                 close_workers_of(relay, message["provider"], message["reason"])
+            case "relay.stream_cancel" if self.on_stream_cancel is not None:
+                owner = message.get("owner")
+                stream = message.get("stream")
+                if (owner is None or isinstance(owner, int)) and isinstance(stream, str):
+                    self.on_stream_cancel(owner, stream)
 
     async def _publish(self) -> None:
         """Publish our worker list every second and re-assert our group membership every
@@ -209,6 +223,12 @@ class Cluster:
                 await self.layer.send(document["channel"], message)
                 return True
         return False
+
+    async def broadcast_stream_cancel(self, owner: int | None, stream: str) -> None:
+        """Tell every process to stop the resumable response ``stream`` of ``owner`` if it
+        runs there (its log is marked too: the writer also stops at its next append)."""
+        message = {"type": "relay.stream_cancel", "owner": owner, "stream": stream}
+        await self.layer.group_send(GROUP, message)
 
     async def broadcast_sync(self) -> None:
         await self.layer.group_send(GROUP, {"type": "relay.sync"})
