@@ -655,8 +655,8 @@ async def test_metrics_and_the_dashboard_snapshot_show_batch_lines(worker):
     assert row["id"] == batch["id"] and row["total"] == 4 and row["status"] == "in_progress"
 
 
-async def test_spare_slots_are_left_for_interactive_requests(worker, settings):
-    settings.BATCH_SPARE_SLOTS = 1
+@relay_settings(BATCH_SPARE_SLOTS=1)  # read by the engine as it starts, with the worker
+async def test_spare_slots_are_left_for_interactive_requests(worker):
     worker.reply = lambda r: None if "line" in r.body else (200, "{}")
     batch = await submit([line(f"line-{i}") for i in range(3)])
     await until(lambda: worker.in_flight == 1)
