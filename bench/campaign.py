@@ -43,6 +43,7 @@ def settings(quick: bool) -> dict[str, Any]:
     if quick:
         return {
             "a_seconds": 4,
+            "access_log_pairs": 1,
             "warmup": 1,
             "b_count": 300,
             "c_ks": [250],
@@ -91,6 +92,7 @@ def settings(quick: bool) -> dict[str, Any]:
         }
     return {
         "a_seconds": 10,
+        "access_log_pairs": 3,
         "warmup": 2,
         "b_count": 1000,
         "c_ks": [100, 250, 500],
@@ -275,6 +277,32 @@ class Campaign:
             targets.stop(self.procs, target)
         self.log(f"  {label} done in {time.monotonic() - t0:.0f} s")
 
+    def access_log(self) -> None:
+        """(a) again, with the access log off and on, in alternated pairs (daphne): what
+        one log line per request costs the server."""
+        s = self.s
+        runs: dict[str, list[dict[str, Any]]] = {"false": [], "true": []}
+        for round_ in range(s["access_log_pairs"]):
+            for value in ("false", "true"):
+                target = targets.start_modelrelay(
+                    self.procs,
+                    self.workdir,
+                    self.upstream_url,
+                    self.args.workers,
+                    self.sut_cpus,
+                    label=f"access-log-{value}-{round_ + 1}",
+                    env={"ACCESS_LOG": value},
+                )
+                try:
+                    runs[value].append(
+                        scenarios.throughput(
+                            target, self.upstream_pid, self.workdir, s["a_seconds"], s["warmup"]
+                        )
+                    )
+                finally:
+                    targets.stop(self.procs, target)
+        self.res["access_log"] = runs
+
     def profile(self, name: str, target: targets.Target, only: set[str]) -> None:
         """py-spy (samples holding the GIL) on the server, and on a worker for the default."""
         py_spy = find_py_spy(self.bench_python)
@@ -382,6 +410,9 @@ class Campaign:
                 self.log(f"{name}:")
                 self.measure_target(name, only)
         relays = [name for name in names if name in RELAYS]
+        if "a" in only and "modelrelay" in relays:
+            self.log("access log (ACCESS_LOG off and on, alternated):")
+            self.access_log()
         if "f" in only and relays:
             upstream = big_box.start_upstream(self.procs, self.s["f_rate"])
             for name in relays:

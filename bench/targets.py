@@ -151,15 +151,16 @@ def start_modelrelay(
     cpus: str | None,
     name: str = "modelrelay",
     label: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Target:
     """One ModelRelay deployment of :data:`RELAYS`: the server and ``workers`` worker.py.
 
     ``label`` names its data directory and logs (default: ``name``) when one run
-    starts the same deployment more than once.
+    starts the same deployment more than once; ``env``: settings of the server's own.
     """
     tag = label or name
     label, server_name = RELAYS[name]
-    server, url = start_server(procs, workdir, tag, cpus, server_name)
+    server, url = start_server(procs, workdir, tag, cpus, server_name, **(env or {}))
     worker_procs = start_workers(procs, url, upstream_url, workers, tag)
     wait_workers(url, workers, server, timeout=60)
     target = Target(label, int(url.rsplit(":", 1)[1]), [server, *worker_procs])

@@ -9,6 +9,7 @@
 - :mod:`bench.report.classes`: (j) priority classes;
 - :mod:`bench.report.affinity`: (k) cache-aware routing;
 - :mod:`bench.report.fleet`: (l) fleet observability (tracing, federation);
+- :mod:`bench.report.accesslog`: what the access log costs, from (a);
 - :mod:`bench.report.ondemand`: (m) models on demand;
 - :mod:`bench.report.resume`: (o) streams that survive a dropped connection;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.report import (
+    accesslog,
     affinity,
     batches,
     classes,
@@ -59,6 +61,7 @@ def tables(res: dict[str, Any]) -> str:
         classes.classes(res),
         affinity.affinity(res),
         fleet.fleet(res),
+        accesslog.access_log(res),
         ondemand.ondemand(res),
         resume.resume(res),
     ]
