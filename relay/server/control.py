@@ -57,7 +57,7 @@ def providers_changed() -> None:
             rt.loop.call_soon_threadsafe(rt.poke)
         except RuntimeError:  # loop closed between the check and the call
             rt = None
-    if not settings.REDIS_URL:
+    if settings.REDIS_TARGET is None:
         return
     try:
         if rt is not None and rt.cluster is not None:
@@ -92,7 +92,7 @@ def disconnect_provider(provider: str, reason: str = SECRET_ROTATED) -> int:
             raise RuntimeError("disconnect_provider() called on the relay's event loop")
         future = asyncio.run_coroutine_threadsafe(rt.disconnect_provider(provider, reason), rt.loop)
         return future.result(timeout=10)
-    if settings.REDIS_URL:
+    if settings.REDIS_TARGET is not None:
         from asgiref.sync import async_to_sync
         from channels.layers import get_channel_layer
 
