@@ -26,9 +26,14 @@ task, batched into one pipeline per wake-up: never on the request path. If such 
 write fails, the tokens are retried and this process's slot counts for the keys
 concerned are re-asserted from memory by the next heartbeat.
 
-If Redis cannot be reached, :meth:`RedisLimitStore.acquire` raises
-:class:`~relay.core.limits.LimitStoreUnavailable` and the limiter admits without the
-counted limits (logged, counted in ``/admin/stats``): the relay keeps serving.
+If Redis cannot be reached (or does not answer within ``REDIS_TIMEOUT_SECS``),
+:meth:`RedisLimitStore.acquire` admits within this process's share of each limit
+(:mod:`relay.server.cluster.limitshare`), and goes on doing so without asking Redis until
+a heartbeat (every :data:`RETRY_SECS` meanwhile) gets through: the relay keeps serving,
+and no key gets more than its limit from the cluster as a whole. Then the slots this
+process holds are re-asserted and the tokens it charged meanwhile written. After Sentinel
+moved the master, the new one may lack the last writes of the old one: the same recovery
+as for a lost lease runs at once.
 """
 
 from __future__ import annotations
@@ -38,19 +43,22 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.core.limits import DAY, KeyLimits, Limit, LimitStoreUnavailable, Periods, Refusal
-from relay.server.cluster.leanredis import Script, lean_client
+from relay.server.cluster.leanredis import Script
+from relay.server.cluster.limitshare import LimitShare
+from relay.server.cluster.redisconf import RedisSource, source_of
 from relay.server.cluster.scripts import lua
 
 logger = logging.getLogger("relay.limits")
 
-#: The longest a limit check may wait for Redis before the request is admitted without it.
-REDIS_TIMEOUT_SECS = 2.0
+#: While Redis does not answer, a heartbeat tries again this often.
+RETRY_SECS = 0.5
 #: A process gone this long is forgotten (its slot fields deleted).
 FORGET_MS = 3_600_000
+#: How long a key's slot counts outlive its last admission (as admit.lua sets it).
+SLOTS_TTL_MS = 86_400_000
 #: Token charges kept for retry while Redis is unreachable (beyond: dropped, logged).
 MAX_PENDING = 100_000
 
@@ -59,6 +67,9 @@ MAX_PENDING = 100_000
 ADMIT = lua("now", "admit")
 FINISH = lua("finish")
 BEAT = lua("now", "beat")
+HOLD = lua("hold")
+ATLEAST = lua("atleast")
+PEERS = lua("now", "peers")
 
 _REFUSALS = {1: Limit.MONTH, 2: Limit.DAY, 3: Limit.RATE, 4: Limit.CONCURRENCY}
 _FAILURES = (RedisError, OSError, TimeoutError)
@@ -80,7 +91,7 @@ SpendSource = Callable[[Periods], Awaitable[dict[int, tuple[int, int]]]]
 class RedisLimitStore:
     def __init__(
         self,
-        url: str,
+        redis: str | RedisSource,
         prefix: str,
         instance: str,
         *,
@@ -88,24 +99,33 @@ class RedisLimitStore:
         spend_source: SpendSource | None = None,
         calendar: Callable[[], Periods] | None = None,
     ) -> None:
-        """``spend_source`` and ``calendar``: where the tokens spent so far are read
-        back from after Redis lost its counters, and the periods of now."""
+        """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
+        ``spend_source`` and ``calendar``: where the tokens spent so far are read back
+        from after Redis lost its counters, and the periods of now."""
+        source = source_of(redis)
+        #: The longest a limit check waits for Redis before this process's share decides.
+        self.timeout = source.target.timeout
         # Named, so that CLIENT LIST tells each process's connections and their roles apart.
-        self.redis = aioredis.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=REDIS_TIMEOUT_SECS,
-            socket_connect_timeout=REDIS_TIMEOUT_SECS,
-            client_name=f"modelrelay:{instance}:limits",
-        )
+        self.redis = source.client(f"modelrelay:{instance}:limits", decode_responses=True)
         self.prefix = f"{prefix}:limits"
         self.instance = instance
         self.lease_ms = max(1, int(lease_secs * 1000))
         #: Admission is on the request path: through the lean client where it applies.
-        self.lean = lean_client(url, REDIS_TIMEOUT_SECS, f"modelrelay:{instance}:admit")
+        self.lean = source.lean(f"modelrelay:{instance}:admit")
         self._admit = Script(self.lean, ADMIT) if self.lean else self.redis.register_script(ADMIT)
         self._finish = self.redis.register_script(FINISH)
         self._beat = self.redis.register_script(BEAT)
+        self._hold = self.redis.register_script(HOLD)
+        self._atleast = self.redis.register_script(ATLEAST)
+        self._peers = self.redis.register_script(PEERS)
+        #: This process's share of each limit, while Redis cannot answer.
+        self.share = LimitShare(instance)
+        #: Set while Redis did not answer: admissions go by the share without asking it.
+        self.down = False
+        #: Requests admitted by this process's share (Redis unreachable).
+        self.fallbacks = 0
+        self._switched = False
+        source.on_switch(self._master_switched)
         #: Slots this process holds per key: the truth the heartbeat re-asserts.
         self.held: Counter[int] = Counter()
         self._repair: set[int] = set()
@@ -138,6 +158,8 @@ class RedisLimitStore:
             limits.tokens_per_month or 0,
         ]
         counted = limits.max_concurrent is not None
+        if self.down:
+            return await self._by_share(key_id, limits, at, now)
         if counted:
             # Before the round trip, so a heartbeat that crosses it cannot re-assert
             # a count without this slot.
@@ -148,7 +170,8 @@ class RedisLimitStore:
             if counted:
                 self._unhold(key_id)
             _unless_cancelled(exc)
-            raise LimitStoreUnavailable(str(exc) or type(exc).__name__) from exc
+            self._went_down(exc, at)
+            return await self._by_share(key_id, limits, at, now)
         except asyncio.CancelledError:
             if counted:  # the script may have run: give the slot back either way
                 self.finish(key_id, True, 0, at)
@@ -165,6 +188,36 @@ class RedisLimitStore:
             self._unhold(key_id)
         return Refusal(_REFUSALS[int(code)], int(retry_ms) / 1000)
 
+    def _went_down(self, exc: BaseException, at: Periods) -> None:
+        if self.down:
+            return
+        self.down = True
+        self.share.begin(at)
+        processes, _ = self.share.place()
+        logger.warning(
+            "limit store unreachable (%s): admitting within this process's share of each "
+            "limit (1/%d) until Redis answers",
+            str(exc) or type(exc).__name__,
+            processes,
+        )
+        self._wake.set()  # the heartbeat tries again soon
+
+    async def _by_share(
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float
+    ) -> Refusal | None:
+        refusal = await self.share.acquire(key_id, limits, at, now, self.held.get(key_id, 0))
+        if refusal is None:
+            self.fallbacks += 1
+            if limits.max_concurrent is not None:
+                self.held[key_id] += 1
+                self._repair.add(key_id)  # Redis hears of it with the next heartbeat
+        return refusal
+
+    def _master_switched(self) -> None:
+        """Sentinel moved the master, which may lack the last writes: recover at once."""
+        self._switched = True
+        self._wake.set()
+
     def _unhold(self, key_id: int) -> None:
         left = self.held[key_id] - 1
         if left > 0:
@@ -175,6 +228,8 @@ class RedisLimitStore:
     def finish(self, key_id: int, held: bool, tokens: int, at: Periods) -> None:
         if held:
             self._unhold(key_id)
+        if self.down:
+            self.share.charge(key_id, tokens, at)
         if len(self._pending) < MAX_PENDING:
             self._pending.append((key_id, held, tokens, at))
         else:
@@ -199,6 +254,7 @@ class RedisLimitStore:
         for key_id, day, month in zip(ids, days, months, strict=True):
             if month:
                 out[key_id] = (int(day or 0), int(month))
+        self.share.learned(out, ids)
         return out
 
     async def run(self) -> None:
@@ -209,10 +265,10 @@ class RedisLimitStore:
         next_beat = 0.0
         try:
             while True:
-                if loop.time() >= next_beat:
+                if loop.time() >= next_beat or self._switched:
                     await self._heartbeat()
                     _unless_cancelled()
-                    next_beat = loop.time() + every
+                    next_beat = loop.time() + (RETRY_SECS if self.down else every)
                 # A timer, not asyncio.timeout(): nothing here may take a cancel for
                 # a timeout.
                 beat = loop.call_at(next_beat, self._wake.set)
@@ -233,7 +289,7 @@ class RedisLimitStore:
         for _ in range(cancels):  # so that the writes below are not cut short
             task.uncancel()  # type: ignore[union-attr]
         try:
-            async with asyncio.timeout(REDIS_TIMEOUT_SECS):
+            async with asyncio.timeout(2 * self.timeout):
                 await self._write()
                 await self.redis.zrem(self._key("live"), self.instance)
         except (*_FAILURES, asyncio.CancelledError):
@@ -280,6 +336,7 @@ class RedisLimitStore:
 
     async def _heartbeat(self) -> None:
         repair, self._repair = self._repair, set()
+        switched, self._switched = self._switched, False
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
                 await self._beat(
@@ -287,27 +344,41 @@ class RedisLimitStore:
                     args=[self.instance, self.lease_ms, FORGET_MS],
                     client=pipe,
                 )
+                await self._peers(keys=[self._key("live")], client=pipe)
                 for key_id in repair:
-                    count = self.held.get(key_id, 0)
-                    if count:
-                        pipe.hset(self._key("slots", key_id), self.instance, count)
-                    else:
-                        pipe.hdel(self._key("slots", key_id), self.instance)
-                lost, *_ = await pipe.execute()
+                    await self._hold(
+                        keys=[self._key("slots", key_id)],
+                        args=[self.instance, self.held.get(key_id, 0), SLOTS_TTL_MS],
+                        client=pipe,
+                    )
+                lost, peers, *_ = await pipe.execute()
         except _FAILURES as exc:
             self._repair |= repair
+            self._switched |= switched
             _unless_cancelled(exc)
-            logger.warning("could not renew this process's lease in Redis: %s", exc)
+            if not self.down:
+                logger.warning("could not renew this process's lease in Redis: %s", exc)
             return
-        if int(lost):
+        # The counts just re-asserted already leave out the slots freed since: the writes
+        # still waiting must not give those back a second time.
+        self._pending = [
+            (key_id, held and key_id not in repair, tokens, at)
+            for key_id, held, tokens, at in self._pending
+        ]
+        self.share.peers = frozenset(peers)
+        if self.down:
+            self.down = False
+            logger.warning("limit store: Redis answers again; admitting through it")
+        if int(lost) or switched:
             await self._recover()
 
     async def _recover(self) -> None:
-        """Our lease was gone: Redis may have lost every counter. Re-assert the slots this
-        process holds, and put back the tokens spent so far where a counter is missing
-        (from the request log, which every process writes: the first to get there wins)."""
+        """Our lease was gone, or the master moved: Redis may have lost counters (all of
+        them, or the last writes). Re-assert the slots this process holds, and raise each
+        token counter to at least what the request log says (which every process writes;
+        a counter is never lowered)."""
         self.recoveries += 1
-        logger.warning("limit store: this process's lease was gone; re-asserting its slots")
+        logger.warning("limit store: Redis may have lost counters; re-asserting this process's")
         self._repair |= set(self.held)
         if self._spend_source is None or self._calendar is None:
             return
@@ -317,23 +388,16 @@ class RedisLimitStore:
         except Exception:
             logger.warning("could not read the tokens spent from the request log", exc_info=True)
             return
+        now = at.day_ends - DAY
+        keys: list[str] = []
+        args: list[int] = []
+        for key_id, (day, month) in spend.items():
+            keys += [self._key("day", key_id, at.day), self._key("month", key_id, at.month)]
+            args += [day, int((at.day_ends - now + DAY) * 1000)]
+            args += [month, int((at.month_ends - now + DAY) * 1000)]
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key_id, (day, month) in spend.items():
-                    now = at.day_ends - DAY
-                    pipe.set(
-                        self._key("day", key_id, at.day),
-                        day,
-                        nx=True,
-                        px=int((at.day_ends - now + DAY) * 1000),
-                    )
-                    pipe.set(
-                        self._key("month", key_id, at.month),
-                        month,
-                        nx=True,
-                        px=int((at.month_ends - now + DAY) * 1000),
-                    )
-                await pipe.execute()
+            if keys:
+                await self._atleast(keys=keys, args=args)
         except _FAILURES as exc:
             _unless_cancelled(exc)
             logger.warning("could not put the tokens spent back in Redis: %s", exc)
