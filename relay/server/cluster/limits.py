@@ -302,6 +302,8 @@ class RedisLimitStore:
                 task.cancel()  # still on its way out: the caller's cancel stands
 
     async def _write(self) -> None:
+        if self.down:
+            return  # (kept until a heartbeat gets through: then written at once)
         batch, self._pending = self._pending, []
         if not batch:
             return
@@ -333,6 +335,7 @@ class RedisLimitStore:
                 raise
             _unless_cancelled(exc)
             logger.warning("could not write %d finished request(s) to Redis: %s", len(batch), exc)
+            self._went_down(exc, batch[-1][3])
 
     async def _heartbeat(self) -> None:
         repair, self._repair = self._repair, set()

@@ -34,7 +34,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from relay.server.cluster.leanredis import LeanRedis, lean_client
@@ -45,6 +48,14 @@ logger = logging.getLogger("relay.cluster")
 TIMEOUT_SECS = 1.0
 #: The most sentinels one process may be given (each is asked in turn).
 MAX_SENTINELS = 16
+
+
+def _retry() -> Retry:
+    """A call whose connection turned out broken (a pooled one Redis closed, a master
+    that moved) is tried once more at once, on a new connection; a call that timed out
+    is not: Redis is not answering, and the caller must hear it within the timeout
+    (redis-py's default retries thrice with backoff, for up to seconds)."""
+    return Retry(NoBackoff(), 1, (RedisConnectionError,))
 
 
 class TargetError(ValueError):
@@ -165,6 +176,7 @@ def _sentinel_options(target: RedisTarget) -> dict[str, Any]:
     options: dict[str, Any] = {
         "socket_timeout": target.timeout,
         "socket_connect_timeout": target.timeout,
+        "retry": Retry(NoBackoff(), 0),
         **_tls_options(target),
     }
     if target.sentinel_password:
@@ -178,12 +190,13 @@ def channel_hosts(target: RedisTarget) -> list[dict[str, Any]]:
     timeout: its receivers block on Redis for seconds at a time by design; the control
     loop bounds them (:mod:`relay.server.cluster.control`)."""
     if not target.through_sentinel:
-        return [{"address": target.url, "socket_timeout": None}]
+        return [{"address": target.url, "socket_timeout": None, "retry": _retry()}]
     host: dict[str, Any] = {
         "sentinels": list(target.sentinels),
         "master_name": target.master,
         "sentinel_kwargs": _sentinel_options(target),
         "socket_timeout": None,
+        "retry": _retry(),
         "socket_connect_timeout": target.timeout,
         **_tls_options(target),
     }
@@ -242,6 +255,7 @@ class RedisSource:
             "socket_connect_timeout": min(bound, self.target.timeout),
             "client_name": name,
             "decode_responses": decode_responses,
+            "retry": _retry(),
         }
         if self._sentinels is None:
             return aioredis.from_url(self.target.url, **options)
@@ -301,7 +315,7 @@ class RedisSource:
                 await self._saw(address)
                 return address
             problems.append(f"{where}: the master is down (a failover is under way)")
-        if answered and not problems and name not in known:
+        if answered and name not in known:
             shown = ", ".join(sorted(known)) or "none"
             raise MasterUnknown(
                 f"no sentinel monitors a master named {name!r} (REDIS_SENTINEL_MASTER); "
@@ -370,6 +384,29 @@ class RedisSource:
             await asyncio.wait(list(self._tasks))
         if self._sentinels is not None:
             await self._sentinels.aclose()
+
+
+def check_master(target: RedisTarget) -> None:
+    """At start (Sentinel only): raise :class:`MasterUnknown` when the sentinels that
+    answer know no master of that name — a wrong setting, which retrying cannot mend.
+    Sentinels that cannot be reached are no error: the process starts degraded and keeps
+    asking."""
+    if not target.through_sentinel:
+        return
+
+    async def ask() -> None:
+        source = RedisSource(target)
+        try:
+            address = await source.locate()
+            logger.info("Redis: %s is at %s:%d", target.describe(), *address)
+        except MasterUnknown:
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            logger.warning("Redis: starting without the master for now: %s", exc)
+        finally:
+            await source.aclose()
+
+    asyncio.run(ask())
 
 
 def source_of(redis: str | RedisSource) -> RedisSource:
