@@ -266,9 +266,7 @@ class SentinelSet:
         old = self.master()
         with self.client(self.sentinel_ports[0]) as sentinel:
             sentinel.execute_command("SENTINEL", "FAILOVER", self.name)
-        new = wait_for(
-            lambda: (m := self.master()) != old and m, FAILOVER_SECS, "another master"
-        )
+        new = wait_for(lambda: (m := self.master()) != old and m, FAILOVER_SECS, "another master")
         if hurry:
             with self.client(old) as node:
                 node.execute_command("REPLICAOF", "127.0.0.1", str(new))
