@@ -111,12 +111,13 @@ async def test_slots_admitted_by_share_are_written_to_redis_when_it_answers(tmp_
             start()
 
             async def counted() -> bool:
-                return not store.down and await store.redis.hget(
-                    "mrtest-back:limits:slots:1", "a"
-                ) == "2"
+                return (
+                    not store.down
+                    and await store.redis.hget("mrtest-back:limits:slots:1", "a") == "2"
+                )
 
             await until(counted, 10, "the slots held to be written back")
-            assert 0 < await store.redis.pttl("mrtest-back:limits:slots:1")
+            assert await store.redis.pttl("mrtest-back:limits:slots:1") > 0
             for ticket in held:
                 ticket.close()
         finally:
