@@ -217,13 +217,29 @@ async def test_every_use_of_redis_follows_the_master_through_a_failover_and_a_ki
                     lambda: _true(node.zcard(group) >= 2), RECOVERY_SECS, "the layer's group"
                 )
 
+            # Every key the cluster keeps on the new master expires by itself, but the
+            # shared queue's own structures (they empty themselves) and the process list
+            # (pruned on reading).
+            with sentinels.client(sentinels.master()) as node:
+                lasting = [
+                    key
+                    for key in node.scan_iter(match=f"{prefix}:*")
+                    if node.pttl(key) == -1 and not _structural(key, prefix)
+                ]
+            assert lasting == []
+
             # A drain sent through A reaches B's worker (an order, read back from Redis).
             drained = await client.post(
                 a.url + f"/admin/workers/{wb.worker_id}/drain", headers=AUTH, json={}
             )
-            assert drained.status_code == 202, drained.text
+            assert drained.status_code == 202, drained.text + b.log()[-4000:]
             # (An idle worker drains at once: it is told, and closed.)
             await asyncio.to_thread(b.wait_for_log, f"draining raw ({wb.worker_id})")
+
+
+def _structural(key: str, prefix: str) -> bool:
+    kind = key[len(prefix) + 1 :].split(":", 1)[0]
+    return kind in {"procs", "q", "ql", "qm", "qk", "qr", "qc", "qw"}
 
 
 async def _true(value: bool) -> bool:
@@ -258,18 +274,28 @@ async def test_an_order_whose_message_was_lost_is_read_back_from_redis(
 
 
 async def test_a_demoted_master_replying_readonly_counts_as_a_lost_connection(sentinels):
-    """The lean client on a node that is a replica now gets ``-READONLY`` to a write: the
-    call fails as a lost connection and the next one asks where the master is."""
+    """The lean client on a node that is a replica now (a demoted master) gets
+    ``-READONLY`` to a write: the call fails as a lost connection, and the connection is
+    dropped. Behind Sentinel, a node named master by a sentinel that has not heard of
+    the failover yet is refused at connect (``ROLE``), and the next call asks again."""
     master, replica = sentinels.master(), sentinels.replica()
+    source = "return redis.call('INCR', KEYS[1])"
+    demoted = LeanRedis(f"redis://127.0.0.1:{replica}/0", 1.0, "modelrelay:test:place")
+    try:
+        with pytest.raises(redis.ConnectionError, match="replica now: READONLY"):
+            await Script(demoted, source)(keys=["readonly-test"])
+        assert demoted._proto is None
+    finally:
+        await demoted.aclose()
     answers = iter([replica, master])
 
     async def locate() -> tuple[str, int]:
         return "127.0.0.1", next(answers)
 
     client = LeanRedis("redis://", 1.0, "modelrelay:test:place", locate=locate)
-    write = Script(client, "return redis.call('INCR', KEYS[1])")
+    write = Script(client, source)
     try:
-        with pytest.raises(redis.ConnectionError, match="replica"):
+        with pytest.raises(redis.ConnectionError, match="not the master"):
             await write(keys=["readonly-test"])
         assert await write(keys=["readonly-test"]) >= 1
         assert client.port == master

@@ -215,11 +215,20 @@ class LeanRedis:
                     setup.append(("SELECT", self.db))
                 if self.name:
                     setup.append(("CLIENT", "SETNAME", self.name))
+                if self.locate is not None:
+                    # A sentinel that has not heard of a failover yet names the old
+                    # master, which may be back as a replica.
+                    setup.append(("ROLE",))
                 for command in setup:
                     reply = await self._send(proto, command)
                     if isinstance(reply, Exception):
                         proto.fail(RedisConnectionError(str(reply)))
                         raise RedisConnectionError(f"Redis refused {command[0]}: {reply}")
+                    if command[0] == "ROLE" and reply[:1] != [b"master"]:
+                        proto.fail(RedisConnectionError("not the master"))
+                        raise RedisConnectionError(
+                            f"{self.host}:{self.port} is not the master (yet)"
+                        )
         except (OSError, TimeoutError) as exc:
             raise RedisConnectionError(f"cannot reach Redis at {self.host}:{self.port}: {exc}")
         if self._watchdog is None or self._watchdog.done():

@@ -35,7 +35,12 @@ from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
+from redis.asyncio.sentinel import (
+    MasterNotFoundError,
+    Sentinel,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
@@ -205,6 +210,26 @@ def channel_hosts(target: RedisTarget) -> list[dict[str, Any]]:
     return [host]
 
 
+class _MasterConnection(SentinelManagedConnection):
+    """A connection to where the sentinels say the master is, which checks that it is:
+    a sentinel that has not heard of a failover yet names the old master, which may be
+    back as a replica (whose reads would be stale or empty). Not a master: the
+    connection fails, and the next attempt asks again."""
+
+    async def on_connect_check_health(self, check_health: bool = True) -> None:
+        await super().on_connect_check_health(check_health)
+        await self.send_command("ROLE", check_health=False)
+        role = await self.read_response()
+        kind = role[0] if isinstance(role, list) and role else b""
+        if (kind.decode() if isinstance(kind, bytes) else str(kind)) != "master":
+            await self.disconnect()
+            raise RedisConnectionError(f"{self.host}:{self.port} is not the master (yet)")
+
+
+class _MasterSSLConnection(_MasterConnection, SentinelManagedSSLConnection):
+    pass
+
+
 class _Sentinels(Sentinel):
     """redis-py's Sentinel manager, finding the master through :meth:`RedisSource.locate`
     (one bound for the whole question, a clear error for a wrong name, switches noticed)."""
@@ -262,6 +287,8 @@ class RedisSource:
         if self.target.password:
             options["password"] = self.target.password
         options.update(_tls_options(self.target))
+        tls = options.pop("ssl", False)
+        options["connection_class"] = _MasterSSLConnection if tls else _MasterConnection
         client = self._sentinels.master_for(self.target.master, **options)
         self._clients.add(client)
         return client

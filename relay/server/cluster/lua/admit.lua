@@ -3,6 +3,9 @@
 -- ARGV: process, lease ms, max_concurrent, requests/min, tokens/day, tokens/month (0: none).
 -- Returns {0, 0} when admitted, else {refusal (1 month, 2 day, 3 rate, 4 slots), retry ms}.
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+if redis.call('PTTL', KEYS[1]) < 0 then
+  redis.call('PEXPIRE', KEYS[1], 3600000)  -- (as beat.lua keeps it: never without an expiry)
+end
 local month_limit = tonumber(ARGV[6])
 if month_limit > 0 and tonumber(redis.call('GET', KEYS[5]) or '0') >= month_limit then
   return {1, 0}
