@@ -161,7 +161,8 @@ class Cluster:
                     self.handle(message)
                 except Exception:
                     logger.exception("control message %r failed", message.get("type"))
-            publisher.result()
+            if publisher.done():
+                publisher.result()  # raises what failed it
         finally:
             moved.cancel()
             publisher.cancel()
