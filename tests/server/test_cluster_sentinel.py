@@ -416,3 +416,33 @@ async def _answer_all(worker: ScriptedWorker) -> None:
 def test_the_kit_waits_for_a_promoted_master(sentinels):
     """(The kit itself: the master it names takes writes.)"""
     assert wait_for(lambda: sentinels.writable(sentinels.master()), 5, "a writable master")
+
+
+async def test_valkey_behind_sentinel_is_a_drop_in(relay_server_factory, tmp_path):
+    """The same with Valkey's server and sentinels (``make valkey`` installs one;
+    skipped, saying so, without it): found at start, followed through a failover."""
+    with (
+        sentinel_set(tmp_path / "valkey", flavor="valkey") as valkey,
+        cluster(relay_server_factory, 2, **valkey.env, **FAST) as (a, b),
+    ):
+        with valkey.client(valkey.master()) as node:
+            assert "valkey_version" in node.info("server")
+        async with (
+            httpx.AsyncClient(timeout=30) as client,
+            ScriptedWorker(a, ["at-a"]) as worker,
+        ):
+            serving = asyncio.ensure_future(_answer_all(worker))
+            try:
+                await knows(b, "at-a")
+                assert (await client.post(b.url + CHAT, json={"model": "at-a"})).status_code == 200
+                new = await asyncio.to_thread(valkey.failover)
+                await until(lambda: all_ok(client, [a, b]), RECOVERY_SECS, "ok after failover")
+                response = await client.post(b.url + CHAT, json={"model": "at-a"})
+                assert response.status_code == 200, response.text
+                await until(
+                    lambda: _true(names_on(new) >= ROLES - {"limits", "admit"}),
+                    RECOVERY_SECS,
+                    "every connection on the new master",
+                )
+            finally:
+                serving.cancel()
