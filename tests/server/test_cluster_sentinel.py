@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 
 from relay.server.cluster.leanredis import LeanRedis, Script
 from relay.server.cluster.redisconf import MasterUnknown, RedisSource, RedisTarget
+from tests.batchkit import jsonl, line
 from tests.clusterkit import AUTH, CHAT, cluster, knows, private_redis, until
 from tests.live import ROOT, LiveServer
 from tests.scriptedworker import ScriptedWorker
@@ -44,6 +45,7 @@ FAST = {
     "REQUEST_TIMEOUT_SECS": "30",
     "SYNC_SECS": "0.2",
     "LIMITS_LEASE_SECS": "1.5",
+    "BATCH_POLL_SECS": "0.2",
 }
 #: How long every process may take to be ``ok`` again once the new master takes writes
 #: (the master's down-after and a couple of ticks, generous for a busy machine).
@@ -228,6 +230,15 @@ async def test_every_use_of_redis_follows_the_master_through_a_failover_and_a_ki
                 ]
             assert lasting == []
 
+            # A batch sent to A after both faults: its lines are claimed and placed (on
+            # either worker) through the new master.
+            serving = [asyncio.ensure_future(_answer_all(w)) for w in (wa, wb)]
+            try:
+                await _batch_runs(client, a, auth)
+            finally:
+                for task in serving:
+                    task.cancel()
+
             # A drain sent through A reaches B's worker (an order, read back from Redis).
             drained = await client.post(
                 a.url + f"/admin/workers/{wb.worker_id}/drain", headers=AUTH, json={}
@@ -235,6 +246,32 @@ async def test_every_use_of_redis_follows_the_master_through_a_failover_and_a_ki
             assert drained.status_code == 202, drained.text + b.log()[-4000:]
             # (An idle worker drains at once: it is told, and closed.)
             await asyncio.to_thread(b.wait_for_log, f"draining raw ({wb.worker_id})")
+
+
+async def _batch_runs(client: httpx.AsyncClient, server: LiveServer, auth: dict[str, str]) -> None:
+    lines = jsonl(*(line(f"after-failover-{n}") for n in range(3)))
+    uploaded = await client.post(
+        server.url + "/v1/files",
+        files={"file": ("in.jsonl", lines, "application/jsonl")},
+        data={"purpose": "batch"},
+        headers=auth,
+    )
+    assert uploaded.status_code == 200, uploaded.text
+    made = await client.post(
+        server.url + "/v1/batches",
+        json={"input_file_id": uploaded.json()["id"], "endpoint": CHAT, "completion_window": "24h"},
+        headers=auth,
+    )
+    assert made.status_code == 200, made.text
+
+    async def completed() -> dict[str, Any] | None:
+        batch = await client.get(server.url + f"/v1/batches/{made.json()['id']}", headers=auth)
+        document: dict[str, Any] = batch.json()
+        return document if document["status"] in ("completed", "failed") else None
+
+    batch = await until(completed, RECOVERY_SECS, "the batch to complete")
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}, batch
 
 
 def _structural(key: str, prefix: str) -> bool:
