@@ -23,6 +23,7 @@ from bench import (
     big_box,
     classes,
     cluster,
+    failover,
     fleet,
     limits,
     peers,
@@ -364,7 +365,7 @@ class Campaign:
             )
         if "h" in only:
             self.log("per-key limits (relay core, in process; Redis admission):")
-            redis_url = "redis://127.0.0.1:6379/0" if cluster.redis_reachable() else None
+            redis_url = cluster.REDIS_URL if cluster.redis_reachable() else None
             self.res["limits"] = asyncio.run(
                 limits.measure(self.s["h_requests"], self.s["h_rounds"], redis_url)
             )
@@ -380,6 +381,11 @@ class Campaign:
         if "l" in only:
             self.log("fleet observability (tracing off and on, federation of 100 workers):")
             self.res["fleet"] = fleet.run(self.s, self.log)
+        if "m" in only:
+            self.log("ModelRelay cluster on a Redis watched by Sentinel:")
+            self.res["failover"] = failover.run(
+                self.procs, self.workdir, self.upstream_url, self.upstream_pid, self.s, self.log
+            )
         if "e" in only:
             for name in names:
                 if name in RELAYS:

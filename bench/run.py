@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args(argv)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghijkl")
-    if not only <= set("abcdefghijkl"):
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghijklm")
+    if not only <= set("abcdefghijklm"):
         p.error("--only takes a, b, c, d, e, f, g, h, i, j, k, l")
     if "d" in only:
         only |= {"a", "c"}

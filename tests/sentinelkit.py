@@ -270,7 +270,8 @@ class SentinelSet:
         if hurry:
             with self.client(old) as node:
                 node.execute_command("REPLICAOF", "127.0.0.1", str(new))
-        return self.wait_healthy()
+            return self.wait_healthy()
+        return self.wait_healthy(FAILOVER_SECS + 30)  # (the sentinels' 10 s look, and more)
 
     def kill_master(self) -> int:
         """``kill -9`` of the master, then (once the sentinels promoted the replica) the

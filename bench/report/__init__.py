@@ -4,7 +4,8 @@
 - :mod:`bench.report.goals`: the performance targets, met or not;
 - :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
 - :mod:`bench.report.sections`: (a) to (f);
-- :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits;
+- :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits,
+  (m) cluster mode on a Redis watched by Sentinel;
 - :mod:`bench.report.batches`: (i) batches on idle capacity;
 - :mod:`bench.report.classes`: (j) priority classes;
 - :mod:`bench.report.affinity`: (k) cache-aware routing;
@@ -42,6 +43,7 @@ def tables(res: dict[str, Any]) -> str:
         sections.big_box(res),
         cluster.cluster(res),
         cluster.limits(res),
+        cluster.failover(res),
         batches.batches(res),
         classes.classes(res),
         affinity.affinity(res),
