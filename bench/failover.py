@@ -18,6 +18,7 @@ master through them:
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 import threading
@@ -92,6 +93,7 @@ def run(
             f"{res['spread']['one_us_per_request']:.0f} µs)"
         )
         res["failover"] = _failover_under_load(sentinels, [a_url, b_url], workdir)
+        res["load_average"] = round(os.getloadavg()[0], 2)
         f = res["failover"]
         log(
             f"  (m) SENTINEL FAILOVER under load: {f['requests']:,} requests, "

@@ -43,10 +43,10 @@ def tables(res: dict[str, Any]) -> str:
         sections.big_box(res),
         cluster.cluster(res),
         cluster.limits(res),
-        cluster.failover(res),
         batches.batches(res),
         classes.classes(res),
         affinity.affinity(res),
         fleet.fleet(res),
+        cluster.failover(res),
     ]
     return "\n".join(line for part in parts for line in part)

@@ -259,7 +259,12 @@ def failover(res: dict[str, Any]) -> list[str]:
             ],
         ),
         "",
-        f"CPU during the two-process run, in cores: {split}.",
+        f"CPU during the two-process run, in cores: {split}"
+        + (
+            f"; the machine's load average after the scenario: {m['load_average']:.2f}."
+            if "load_average" in m
+            else "."
+        ),
         "",
         f"A failover under load: `{f['wrk']}` against each process for "
         f"{FAILOVER_LOAD_SECS} s, `SENTINEL FAILOVER` after 2 s: {f['requests']:,} requests "
