@@ -275,6 +275,7 @@ async def failover_scenario(
             max_concurrent=profile.max_concurrent,
             flavor=flavor,
         )
+        out.figures["database"] = database.split(":", 1)[0]
         try:
             await rig.start()
             out.figures["redis"] = await asyncio.to_thread(_version, rig)
