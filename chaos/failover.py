@@ -75,8 +75,27 @@ STOPPED = OK | {"error:504:queue_timeout"}
 class FailoverRig(ClusterRig):
     """The cluster scenario's rig, its Redis a :class:`SentinelSet`."""
 
-    def __init__(self, *args: object, flavor: str = "redis", **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        procs: Processes,
+        workdir: Path,
+        database_url: str,
+        *,
+        server: str,
+        processes: int,
+        workers: int,
+        max_concurrent: int,
+        flavor: str = "redis",
+    ) -> None:
+        super().__init__(
+            procs,
+            workdir,
+            database_url,
+            server=server,
+            processes=processes,
+            workers=workers,
+            max_concurrent=max_concurrent,
+        )
         binary = server_binary(flavor)
         if binary is None:
             raise ChaosError(f"{flavor}-server is not installed")
@@ -91,7 +110,7 @@ class FailoverRig(ClusterRig):
         self.stopped_states: dict[str, str] = {}
 
     @property
-    def redis_port(self) -> int:  # type: ignore[override]
+    def redis_port(self) -> int:
         found = getattr(self, "set", None)
         return found.master() if found is not None and found.processes else 0
 

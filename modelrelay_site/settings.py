@@ -185,7 +185,7 @@ def _redis_target() -> RedisTarget | None:
 
 
 #: Where the cluster's Redis is (None: one process, no Redis): every use of Redis is
-#: built from it (relay/server/cluster/redisconf.py).
+#: built from it (relay/server/cluster/redissource.py).
 REDIS_TARGET = _redis_target()
 # Cluster mode: the URL at which the other server processes reach this one (default:
 # http://<listen host>:<port>, the host name when listening on all interfaces).

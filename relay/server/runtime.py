@@ -35,7 +35,7 @@ from relay.server.cluster.control import Cluster, close_workers_of
 from relay.server.cluster.limits import RedisLimitStore
 from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
-from relay.server.cluster.redisconf import RedisSource
+from relay.server.cluster.redissource import RedisSource
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
 from relay.server.metrics import RelayMetrics

@@ -28,7 +28,8 @@ import redis
 import redis.asyncio as aioredis
 
 from relay.server.cluster.leanredis import LeanRedis, Script
-from relay.server.cluster.redisconf import MasterUnknown, RedisSource, RedisTarget
+from relay.server.cluster.redisconf import RedisTarget
+from relay.server.cluster.redissource import MasterUnknown, RedisSource
 from tests.batchkit import jsonl, line
 from tests.clusterkit import AUTH, CHAT, cluster, knows, private_redis, until
 from tests.live import ROOT, LiveServer

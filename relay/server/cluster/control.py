@@ -49,7 +49,7 @@ from redis.exceptions import RedisError
 from relay.core import snapshot
 from relay.core.relay import Relay
 from relay.server.cluster.convergence import stop_if_cancelled
-from relay.server.cluster.redisconf import RedisSource, source_of
+from relay.server.cluster.redissource import RedisSource, source_of
 from relay.server.cluster.scripts import lua
 
 logger = logging.getLogger("relay.cluster")

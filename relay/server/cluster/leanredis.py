@@ -17,7 +17,7 @@ raises :class:`redis.exceptions.ConnectionError` in every caller waiting on it (
 watchdog per connection instead of a timer per call), and the next call reconnects.
 A ``-READONLY`` reply (the server was a master and is a replica now, after a failover)
 counts as a lost connection too. Behind Sentinel the client is given a ``locate``
-coroutine (:class:`relay.server.cluster.redisconf.RedisSource`) and asks it where the
+coroutine (:class:`relay.server.cluster.redissource.RedisSource`) and asks it where the
 master is at each connect.
 """
 

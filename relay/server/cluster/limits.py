@@ -48,7 +48,7 @@ from redis.exceptions import RedisError
 from relay.core.limits import DAY, KeyLimits, Limit, LimitStoreUnavailable, Periods, Refusal
 from relay.server.cluster.leanredis import Script
 from relay.server.cluster.limitshare import LimitShare
-from relay.server.cluster.redisconf import RedisSource, source_of
+from relay.server.cluster.redissource import RedisSource, source_of
 from relay.server.cluster.scripts import lua
 
 logger = logging.getLogger("relay.limits")

@@ -37,7 +37,7 @@ from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.cluster.convergence import LEASE_MARGIN_MS, TROUBLE, Convergence, now_ms
 from relay.server.cluster.preempt import ClusterPreemption
 from relay.server.cluster.proxy import ProxyPool
-from relay.server.cluster.redisconf import RedisSource, source_of
+from relay.server.cluster.redissource import RedisSource, source_of
 from relay.server.cluster.state import (
     ClusterState,
     Placed,

@@ -22,7 +22,7 @@ from modelrelay_site.logformat import JsonFormatter
 from modelrelay_site.servers import SERVERS
 from relay import __version__
 from relay.core.credentials import PREFIX_LEN
-from relay.server.cluster.redisconf import MasterUnknown, check_master
+from relay.server import control
 from workers_app.models import WorkerSession
 from workers_app.services import (
     Bootstrap,
@@ -89,11 +89,9 @@ class Command(BaseCommand):
             check_pepper(settings.SECRET_PEPPER)
         except PepperMismatch as exc:
             raise CommandError(str(exc)) from None
-        if settings.REDIS_TARGET is not None:
-            try:
-                check_master(settings.REDIS_TARGET)
-            except MasterUnknown as exc:
-                raise CommandError(str(exc)) from None
+        problem = control.redis_problem()
+        if problem is not None:
+            raise CommandError(problem)
         boot = bootstrap_default_provider(
             settings.PROVIDER_NAME, settings.WORKER_SECRET, settings.DATA_DIR
         )
