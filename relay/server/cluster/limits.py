@@ -382,7 +382,8 @@ class RedisLimitStore:
         a counter is never lowered)."""
         self.recoveries += 1
         logger.warning("limit store: Redis may have lost counters; re-asserting this process's")
-        self._repair |= set(self.held)
+        # (Also the keys whose last slot here ended since: Redis may or may not count it.)
+        self._repair |= set(self.held) | {k for k, held, _, _ in self._pending if held}
         if self._spend_source is None or self._calendar is None:
             return
         at = self._calendar()
