@@ -9,6 +9,7 @@ it imports nothing of Django's.
 
 from __future__ import annotations
 
+import re
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,8 @@ class RedisTarget:
 def _address(text: str) -> tuple[str, int]:
     host, sep, port = text.strip().rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    # (ASCII digits only: str.isdigit() and int() take other scripts' digits too.)
+    if not sep or not host or not re.fullmatch("[0-9]{1,5}", port) or not 0 < int(port) < 65536:
         raise TargetError(f"REDIS_SENTINELS: {text!r} is not host:port")
     return host, int(port)
 
