@@ -47,7 +47,7 @@ def test_sentinels_name_the_master_for_every_use():
         ({"sentinels": ["s"], "master": "m"}, "'s' is not host:port"),
         ({"sentinels": ["s:0"], "master": "m"}, "not host:port"),
         ({"sentinels": ["s:65536"], "master": "m"}, "not host:port"),
-        ({"sentinels": ["s:２６３７９"], "master": "m"}, "not host:port"),
+        ({"sentinels": ["s:\uff12\uff16\uff13\uff17\uff19"], "master": "m"}, "not host:port"),
         ({"sentinels": [f"s:{n}" for n in range(1, MAX_SENTINELS + 2)], "master": "m"}, "at most"),
     ],
 )
