@@ -32,7 +32,8 @@ def test_sentinels_name_the_master_for_every_use():
     assert host["password"] == "p" and host["ssl"] is True
     assert host["sentinel_kwargs"]["socket_timeout"] == target.timeout
     assert "p" not in target.describe()
-    assert parse_target(sentinels=["[::1]:26379"], master="m").sentinels == (("::1", 26379),)
+    ipv6 = parse_target(sentinels=["[::1]:26379"], master="m")
+    assert ipv6 is not None and ipv6.sentinels == (("::1", 26379),)
 
 
 @pytest.mark.parametrize(
