@@ -29,15 +29,19 @@ RUN /opt/venv/bin/pip install -r /tmp/requirements-worker.txt
 # that this list covers them). Configure it with PROXY_URL, WORKER_SECRET, BACKEND_URL, MODELS...
 # (deploy/worker.env.example). It has no port; SIGTERM drains within REQUEST_TIMEOUT_SECS.
 FROM ${PYTHON_IMAGE} AS worker
-ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    WORKER_STATE_DIR=/state
 RUN useradd --system --user-group --uid 10001 --no-create-home \
-        --home-dir /nonexistent --shell /usr/sbin/nologin modelrelay
+        --home-dir /nonexistent --shell /usr/sbin/nologin modelrelay \
+    && install -d -o modelrelay -g modelrelay -m 0700 /state
 COPY --from=worker-deps /opt/venv /opt/venv
 WORKDIR /app
 COPY requirements-worker.txt worker.py ./
 COPY relay/__init__.py ./relay/
 COPY relay/wire ./relay/wire
 COPY relay/worker ./relay/worker
+# A worker that joined with a token (JOIN_TOKEN) keeps its credential here: keep the volume.
+VOLUME ["/state"]
 USER modelrelay:modelrelay
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["python", "worker.py"]

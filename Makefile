@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench chaos browser nginx caddy wrk promtool valkey llama-server clean
+.PHONY: run test lint bench chaos browser nginx caddy wrk promtool valkey llama-server worker-wheel clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,7 +57,8 @@ PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tes
 	tests/server/test_fair_share.py tests/server/test_live_limits.py \
 	tests/server/test_batches_api.py \
 	tests/server/test_message_batches.py tests/server/test_batch_claims.py \
-	tests/test_batches_e2e.py tests/server/test_edge_admission.py
+	tests/test_batches_e2e.py tests/server/test_edge_admission.py \
+	tests/server/test_joining.py
 
 # The live tests run once more under the alternative server, manage.py serve --server uvicorn.
 UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures.py \
@@ -78,6 +79,15 @@ lint: $(VENV)/.dev
 	$(VENV)/bin/ruff format --check .
 	DATA_DIR=$(CURDIR)/.test-data $(VENV)/bin/mypy .
 
+# The worker as a wheel in dist/ (docs/WORKER.md, "Install"): pip builds it with the
+# backend pinned in pyproject.toml. setuptools builds in the tree: build/ goes first, so a
+# module deleted since the last build cannot linger in the wheel.
+worker-wheel: $(VENV)/.runtime
+	rm -rf build dist/modelrelay_worker-*.whl
+	$(PIP) wheel --no-deps --wheel-dir dist .
+	rm -rf build modelrelay_worker.egg-info
+	@ls dist/modelrelay_worker-*.whl
+
 # Scenario (k) also measures two real llama-servers when this built them (CPU only, ~7 min on
 # 2 cores, from the llama.cpp tree in the llama-cpp-python sdist on PyPI); otherwise it says so.
 llama-server: $(VENV)/.runtime
@@ -91,4 +101,4 @@ chaos: $(VENV)/.dev nginx valkey
 	$(PY) chaos/run.py $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) .test-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .test-data .pytest_cache .mypy_cache .ruff_cache build dist

@@ -61,15 +61,14 @@ def new_id(prefix: str) -> str:
 
 
 class StoredFile(models.Model):
-    """A file of the Files API: an uploaded batch input (``content`` holds it), or a
-    batch's output or error file (rendered from the batch's lines when read)."""
+    """A file of the Files API: an uploaded batch input (its bytes in :class:`FileChunk`
+    rows), or a batch's output or error file (rendered from the batch's lines when read)."""
 
     public_id = models.CharField(max_length=64, unique=True)
     key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.CASCADE)
     purpose = models.CharField(max_length=32)
     filename = models.CharField(max_length=255)
     bytes = models.BigIntegerField(default=0)
-    content = models.BinaryField(null=True, blank=True, editable=False)
     #: For an output or error file: its batch, and which of the two it is.
     batch = models.ForeignKey("Batch", null=True, blank=True, on_delete=models.CASCADE)
     kind = models.CharField(max_length=8, blank=True)
@@ -81,6 +80,25 @@ class StoredFile(models.Model):
 
     def __str__(self) -> str:
         return f"{self.public_id} ({self.filename})"
+
+
+class FileChunk(models.Model):
+    """A piece of an uploaded file, in order. The bytes live apart from the file's row so
+    that nothing that reads files or batches (lists, the engine) ever loads them; every
+    server process reaches them through the database, whichever one took the upload.
+    They go with their file (``CASCADE``, one ``DELETE`` without reading them)."""
+
+    file = models.ForeignKey(StoredFile, on_delete=models.CASCADE, related_name="chunks")
+    index = models.PositiveIntegerField()
+    data = models.BinaryField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["file", "index"], name="file_chunk_index_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.file_id}#{self.index}"
 
 
 class BatchQuerySet(models.QuerySet["Batch"]):
@@ -120,6 +138,8 @@ class Batch(models.Model):
     canceled = models.PositiveIntegerField(default=0)
     expired = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
+    #: Of the input tokens, those the backends reused from their prompt cache.
+    cached_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     output_file_id = models.CharField(max_length=64, blank=True)
     error_file_id = models.CharField(max_length=64, blank=True)
@@ -167,6 +187,7 @@ class BatchLine(models.Model):
     request_id = models.CharField(max_length=64, blank=True)
     prompt_tokens = models.PositiveIntegerField(null=True, blank=True)
     completion_tokens = models.PositiveIntegerField(null=True, blank=True)
+    cached_tokens = models.PositiveIntegerField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

@@ -518,7 +518,7 @@ def _index_cost(s: dict[str, Any]) -> dict[str, Any]:
     r = request()
 
     def route() -> None:
-        r.affinity = router.affinity(head, MODEL, None)
+        r.affinity = router.affinity(head, MODEL, None, 1)  # a key's request
         chosen = router.choose(r, workers) or workers[0]
         router.assigned(r, chosen)
 
@@ -553,7 +553,7 @@ def _index_memory(s: dict[str, Any]) -> dict[str, Any]:
             is_streaming=False, body="", headers={}, key_id=None, created_wall=0.0, now=0.0,
             deadline=1.0,
         )  # fmt: skip
-        r.affinity = router.affinity(decoder.decode(body), MODEL, f"session-{n}")
+        r.affinity = router.affinity(decoder.decode(body), MODEL, f"session-{n}", None)
         router.assigned(r, workers[n % 4])
     current, _peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()

@@ -26,6 +26,7 @@ from bench import (
     failover,
     fleet,
     limits,
+    ondemand,
     peers,
     scenarios,
     targets,
@@ -75,6 +76,10 @@ def settings(quick: bool) -> dict[str, Any]:
             "k_llama_rounds": 1,
             "k_index_rounds": 300,
             "k_redis_calls": 1000,
+            "m_requests": 20,
+            "m_clients": 2,
+            "m_skew_requests": 30,
+            "m_skew_clients": 3,
             "l_requests": 2_000,
             "l_rounds": 3,
             "l_workers": 100,
@@ -109,6 +114,10 @@ def settings(quick: bool) -> dict[str, Any]:
         "j_slots": 4,
         "j_trickle": 2.0,
         **AFFINITY,
+        "m_requests": 40,
+        "m_clients": 2,
+        "m_skew_requests": 60,
+        "m_skew_clients": 3,
         "l_requests": 5_000,
         "l_rounds": 5,
         "l_workers": 100,
@@ -378,10 +387,13 @@ class Campaign:
         if "k" in only:
             self.log("cache-aware routing (caching fake backends):")
             self.res["affinity"] = affinity.run(self.procs, self.workdir, self.s, self.log)
+        if "m" in only:
+            self.log("models on demand (real llama-servers in router mode):")
+            self.res["ondemand"] = ondemand.run(self.procs, self.workdir, self.s, self.log)
         if "l" in only:
             self.log("fleet observability (tracing off and on, federation of 100 workers):")
             self.res["fleet"] = fleet.run(self.s, self.log)
-        if "m" in only:
+        if "p" in only:
             self.log("ModelRelay cluster on a Redis watched by Sentinel:")
             self.res["failover"] = failover.run(
                 self.procs, self.workdir, self.upstream_url, self.upstream_pid, self.s, self.log

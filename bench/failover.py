@@ -1,4 +1,4 @@
-"""(m) Cluster mode on a Redis watched by Sentinel (SPEC §20).
+"""(p) Cluster mode on a Redis watched by Sentinel (SPEC §20).
 
 A master, a replica and three sentinels of the run's own on 127.0.0.1
 (``tests/sentinelkit.py``: ``redis-server --sentinel``, ``min-replicas-to-write 1``, the
@@ -70,7 +70,7 @@ def run(
         res: dict[str, Any] = {
             "one": scenarios.throughput(one, upstream_pid, workdir, s["a_seconds"], s["warmup"])
         }
-        log(f"  (m) one process on Sentinel: {res['one']['rps']:,.0f} req/s")
+        log(f"  (p) one process on Sentinel: {res['one']['rps']:,.0f} req/s")
 
         shared = {**env, "DATABASE_URL": f"sqlite:///{workdir / 'data-sentinel-a' / 'db.sqlite3'}"}
         b, b_url = start_server(procs, workdir, "sentinel-b", None, "daphne", **shared)
@@ -88,7 +88,7 @@ def run(
         res["spread"]["us_per_request"] = _us(res["spread"])
         res["spread"]["one_us_per_request"] = _us(res["one"])
         log(
-            f"  (m) two processes, one worker each: {res['spread']['rps']:,.0f} req/s, "
+            f"  (p) two processes, one worker each: {res['spread']['rps']:,.0f} req/s, "
             f"{res['spread']['us_per_request']:.0f} µs server CPU per request (one process: "
             f"{res['spread']['one_us_per_request']:.0f} µs)"
         )
@@ -96,7 +96,7 @@ def run(
         res["load_average"] = round(os.getloadavg()[0], 2)
         f = res["failover"]
         log(
-            f"  (m) SENTINEL FAILOVER under load: {f['requests']:,} requests, "
+            f"  (p) SENTINEL FAILOVER under load: {f['requests']:,} requests, "
             f"{f['errors']} not 2xx, degraded {f['degraded']}"
         )
         return res

@@ -11,8 +11,8 @@ Measured in this process, on the code the server runs:
   ``begin``/``admitted`` calls when tracing is on, ``submit``, a worker answering at once,
   the end), CPU µs per request of this process — the SDK's export thread included, and
   the spans flushed to an OTLP/HTTP receiver in another process before the clock stops —
-  with tracing off, and on with every request sampled. Off, the hooks are a few ``is
-  None`` tests; their cost is measured by timing exactly those operations;
+  with tracing off, and on with every request sampled. Off, the hooks are calls on the
+  null tracer; their cost is measured by timing exactly those operations;
 - *federation*: 100 workers x 1,000 series (llama-server and vLLM shapes, histograms
   included) received, then ``GET /metrics/workers`` rendered: the first scrape (parsing
   every sample) and a steady one (a new sample from every worker each time, as with
@@ -42,8 +42,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from relay.core.config import ProviderPolicy, RelayConfig  # noqa: E402
+from relay.core.keycache import KeyCache, KnownKey  # noqa: E402
 from relay.core.relay import Relay  # noqa: E402
 from relay.server.federation import Federation  # noqa: E402
+from relay.server.tracing import EdgeTracer, NullTracing, Tracing, from_environment  # noqa: E402
 from relay.wire import protocol  # noqa: E402
 
 COUNTS = protocol.TokenCounts(prompt_tokens=10, completion_tokens=20)
@@ -79,8 +81,8 @@ class _Link:
         pass
 
 
-async def relay_path(n: int, tracing: Any) -> float:
-    """CPU µs per request of this process through the core (and the tracer, if given)."""
+async def relay_path(n: int, tracing: EdgeTracer) -> float:
+    """CPU µs per request of this process through the core and ``tracing``."""
     config = RelayConfig()
     relay = Relay(config, instance="bench")
     relay.tracer = tracing
@@ -88,14 +90,9 @@ async def relay_path(n: int, tracing: Any) -> float:
     worker, _ = relay.attach_worker(
         provider="local", name="w", models=["m"], max_concurrent=1, current_load=0, link=_Link()
     )
-    loop = asyncio.get_running_loop()
     start = time.process_time()
     for _ in range(n):
-        trace = (
-            None
-            if tracing is None
-            else tracing.begin(HEADERS, "POST", "/v1/chat/completions", loop.time())
-        )
+        trace = tracing.begin(HEADERS, "POST", "/v1/chat/completions")
         request = relay.submit(
             model="m",
             endpoint_path="/v1/chat/completions",
@@ -103,46 +100,43 @@ async def relay_path(n: int, tracing: Any) -> float:
             is_streaming=False,
             body='{"model":"m"}',
             headers={},
+            key_id=1,
             trace=trace,
         )
-        if trace is not None:
-            tracing.admitted(trace, request, "team-a")
+        tracing.admitted(trace, request)
         relay.on_complete(
             worker,
             protocol.ResponseComplete(
                 request_id=request.id, status_code=200, headers={}, body="{}", token_counts=COUNTS
             ),
         )
-    if tracing is not None:
-        tracing.provider.force_flush()
+    if isinstance(tracing, Tracing):
+        tracing.traces.provider.force_flush()
     elapsed = time.process_time() - start
     await relay.aclose()
     return elapsed / n * 1e6
 
 
 def hook_cost_ns() -> float:
-    """ns per request of what the hooks do with tracing off: the edge's tests and the
-    core's (``_assign``, ``_finish``), and the two slots a request starts with."""
+    """ns per request of what the hooks do with tracing off: the edge's calls on the
+    null tracer and the core's (``_assign``, ``_finish``), and the two slots a request
+    starts with."""
 
     class Holder:
-        __slots__ = ("trace", "tracer", "tracing", "why")
+        __slots__ = ("headers", "trace", "why")
 
     holder = Holder()
-    holder.tracing = holder.tracer = None
+    holder.headers = {}
+    tracing = NullTracing()
+    request: Any = holder
 
     def hooks() -> None:
-        tracing = holder.tracing
-        trace = None if tracing is None else tracing
+        trace = tracing.begin(HEADERS, "POST", "/v1/chat/completions")
         holder.trace = trace
         holder.why = ""
-        if trace is not None and tracing is not None:
-            pass
-        if holder.tracer is not None:
-            pass
-        if holder.tracer is not None:
-            pass
-        if trace is not None and tracing is not None:
-            pass
+        tracing.admitted(trace, request)
+        tracing.dispatched(request, request, 0.0)
+        tracing.finished(request)
 
     def baseline() -> None:
         pass
@@ -160,8 +154,7 @@ def start_sink() -> tuple[subprocess.Popen[str], str]:
     return process, f"http://127.0.0.1:{port}"
 
 
-def tracing_on(endpoint: str, n: int) -> Any:
-    from relay.server.tracing import from_environment
+def tracing_on(endpoint: str, n: int) -> Tracing:
 
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
@@ -173,14 +166,16 @@ def tracing_on(endpoint: str, n: int) -> Any:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the SDK reads OTEL_BSP_* and the endpoint from os.environ
     try:
-        tracing = from_environment(env)
+        keys = KeyCache("")
+        keys.replace({"bench": KnownKey(id=1, key_hash="", name="team-a")})
+        tracing = from_environment(env, clock=asyncio.get_running_loop().time, keys=keys)
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    assert tracing is not None
+    assert isinstance(tracing, Tracing)
     return tracing
 
 
@@ -189,10 +184,10 @@ async def measure_tracing(n: int, rounds: int) -> dict[str, float]:
     try:
         tracing = tracing_on(endpoint, n)
         off, on = [], []
-        await relay_path(min(n, 2000), None)  # warm up both paths
+        await relay_path(min(n, 2000), NullTracing())  # warm up both paths
         await relay_path(min(n, 2000), tracing)
         for _ in range(rounds):  # interleaved, so drifting load hits both alike
-            off.append(await relay_path(n, None))
+            off.append(await relay_path(n, NullTracing()))
             on.append(await relay_path(n, tracing))
         tracing.shutdown()
     finally:

@@ -8,7 +8,8 @@ Usage::
 Measures, in this process, on the relay core the server runs:
 
 - *admission*: ``Limiter.admit`` and ``Ticket.close`` for a key with every counted
-  limit set (in-memory store) — what the HTTP edge adds before ``submit``;
+  limit set (in-memory store), reserving :data:`RESERVE` tokens against its budgets and
+  settling them — what the HTTP edge adds before ``submit``;
 - *dispatcher*: ``submit`` + completion of one request through the real dispatcher and
   a worker that answers at once, without a key, and with admission, ticket and the
   per-key observer (the difference is what the limits add to a request);
@@ -56,6 +57,8 @@ LIMITS = KeyLimits(
     weight=2,
 )
 COUNTS = protocol.TokenCounts(prompt_tokens=10, completion_tokens=20)
+#: What each request may cost (its max_tokens and prompt), reserved while it runs.
+RESERVE = 256
 
 
 class _Link:
@@ -75,7 +78,7 @@ async def admission(n: int) -> float:
     keys = 100
     start = time.perf_counter()
     for i in range(n):
-        ticket = await limiter.admit(i % keys, LIMITS, "m")
+        ticket = await limiter.admit(i % keys, LIMITS, "m", RESERVE)
         ticket.close(COUNTS)
     return _per_request(time.perf_counter() - start, n)
 
@@ -97,7 +100,7 @@ async def dispatcher(n: int, *, with_ticket: bool) -> float:
         relay.observers.append(KeyStats().observe)
     start = time.perf_counter()
     for i in range(n):
-        ticket = await limiter.admit(i % 100, LIMITS, "m") if with_ticket else None
+        ticket = await limiter.admit(i % 100, LIMITS, "m", RESERVE) if with_ticket else None
         request = relay.submit(
             model="m",
             endpoint_path="/v1/chat/completions",
@@ -186,12 +189,12 @@ async def redis_round_trip(url: str, n: int) -> tuple[float, float, float]:
     try:
         # One admission first, uncounted: the scripts are loaded into Redis once per
         # connection (NOSCRIPT, then SCRIPT LOAD), not per request.
-        tickets = [await limiter.admit(0, LIMITS, "m")]
+        tickets = [await limiter.admit(0, LIMITS, "m", RESERVE)]
         for (client, name), send in zip(clients, originals, strict=True):
             setattr(client, name, counting(send))
         for i in range(n):
             start = time.perf_counter()
-            tickets.append(await limiter.admit(i % 100, LIMITS, "m"))
+            tickets.append(await limiter.admit(i % 100, LIMITS, "m", RESERVE))
             samples.append((time.perf_counter() - start) * 1e6)
         for (client, name), send in zip(clients, originals, strict=True):
             setattr(client, name, send)

@@ -21,6 +21,7 @@ from django.urls import path, re_path  # noqa: E402
 
 from modelrelay_site import daphne_shim  # noqa: E402
 from relay.server.http.app import RelayHttpApp  # noqa: E402
+from relay.server.http.join import JoinApp  # noqa: E402
 from relay.server.legacy.nodes import LegacyNodeConsumer  # noqa: E402
 from relay.server.legacy.oldapi import OldChatApp  # noqa: E402
 from relay.server.socket.consumer import WorkerConsumer  # noqa: E402
@@ -30,7 +31,10 @@ daphne_shim.install()
 
 application = ProtocolTypeRouter(
     {
-        "http": RelayHttpApp(django_application, routes={OldChatApp.path: OldChatApp()}),
+        "http": RelayHttpApp(
+            django_application,
+            routes={OldChatApp.path: OldChatApp(), JoinApp.path: JoinApp()},
+        ),
         "websocket": URLRouter(
             [
                 path("v1/worker/connect", WorkerConsumer.as_asgi()),

@@ -198,8 +198,9 @@ PRIORITY_AGING_SECS = env_float("PRIORITY_AGING_SECS", 60.0)
 PRIORITY_MAX_PREEMPTIONS = env_int("PRIORITY_MAX_PREEMPTIONS", 3)
 # Cache-aware routing (SPEC §14, relay/core/affinity.py): the policy, the session header
 # that names a conversation, the block size of prompt hashing, what the index keeps
-# (blocks per worker, explicit keys), the bounded-load guard (factor and slack), and the
-# share of a prompt a prefix match must cover to decide.
+# (blocks per worker, explicit keys), the bounded-load guard (factor and slack), the
+# share of a prompt a prefix match must cover to decide, and whether API keys share
+# prefixes (off: each key is routed by its own alone, so no key learns of another's).
 ROUTING_POLICY = env_str("ROUTING_POLICY", "cache_aware")
 if ROUTING_POLICY not in ("cache_aware", "least_load"):
     raise ImproperlyConfigured(
@@ -213,6 +214,7 @@ AFFINITY_LOAD_FACTOR = env_float("AFFINITY_LOAD_FACTOR", 1.25)
 AFFINITY_LOAD_SLACK = env_int("AFFINITY_LOAD_SLACK", 4, minimum=0)
 AFFINITY_MIN_MATCH = env_float("AFFINITY_MIN_MATCH", 0.5)
 AFFINITY_TTL_SECS = env_float("AFFINITY_TTL_SECS", 3600.0)
+AFFINITY_SHARE_ACROSS_KEYS = env_bool("AFFINITY_SHARE_ACROSS_KEYS", False)
 if AFFINITY_LOAD_FACTOR < 1.0:
     raise ImproperlyConfigured("AFFINITY_LOAD_FACTOR must be at least 1")
 if not 0.0 <= AFFINITY_MIN_MATCH <= 1.0:
@@ -224,8 +226,9 @@ CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:
     raise ImproperlyConfigured("CLUSTER_TICK_SECS must be positive and below CLUSTER_TTL_SECS")
-#: With Redis: a server process's per-key concurrency slots stop counting this long
-#: after it stopped renewing them (it died), so they never leak (docs/OPERATIONS.md).
+#: With Redis: a server process's per-key concurrency slots and token reservations stop
+#: counting this long after it stopped renewing them (it died), so they never leak
+#: (docs/OPERATIONS.md).
 LIMITS_LEASE_SECS = env_float("LIMITS_LEASE_SECS", 15.0)
 if REDIS_TARGET is not None:
     from relay.server.cluster.redisconf import channel_hosts
@@ -278,6 +281,9 @@ MAX_REQUEST_BYTES = env_int("MAX_REQUEST_BYTES", 32 * MIB, minimum=1024)
 STREAM_BUFFER_BYTES = env_int("STREAM_BUFFER_BYTES", 4 * MIB, minimum=1024)
 STREAM_BUFFER_TOTAL_BYTES = env_int("STREAM_BUFFER_TOTAL_BYTES", 256 * MIB, minimum=1024)
 STALL_TIMEOUT_SECS = env_float("STALL_TIMEOUT_SECS", 60.0)
+# A streaming client that leaves after the stream's last event ([DONE], message_stop,
+# response.completed) does not cancel it: its completion and usage are waited for this long.
+STREAM_END_GRACE_SECS = env_float("STREAM_END_GRACE_SECS", 5.0, positive=False)
 # The routes forwarded to workers by the body's model (relay/core/routes.py):
 # "default", "/path", "/path=anthropic", "-/path". Checked here so a typo stops the start.
 RELAY_ROUTES = env_list("RELAY_ROUTES", [])
@@ -304,11 +310,24 @@ def _check_routes() -> None:
 
 _check_routes()
 MODEL_MEMORY_SECS = env_float("MODEL_MEMORY_SECS", 600.0, positive=False)
+# Models on demand (SPEC §19): the wait for a load, a second copy for a model whose queue
+# keeps waiting (0: never), unloading what sat idle (0: never).
+MODEL_LOAD_TIMEOUT_SECS = env_float("MODEL_LOAD_TIMEOUT_SECS", 300.0)
+MODEL_SCALE_OUT_WAIT_SECS = env_float("MODEL_SCALE_OUT_WAIT_SECS", 10.0, positive=False)
+MODEL_IDLE_UNLOAD_SECS = env_float("MODEL_IDLE_UNLOAD_SECS", 0.0, positive=False)
 DRAIN_TIMEOUT_SECS = env_float("DRAIN_TIMEOUT_SECS", 300.0)
 SHUTDOWN_GRACE_SECS = env_float("SHUTDOWN_GRACE_SECS", 30.0, positive=False)
 SYNC_SECS = env_float("SYNC_SECS", 1.0)
 REQUEST_LOG_FLUSH_SECS = env_float("REQUEST_LOG_FLUSH_SECS", 1.0)
 REQUIRE_PROTOCOL_VERSION = env_bool("REQUIRE_PROTOCOL_VERSION", False)
+
+# Joining (SPEC §22): how long a join token minted without a TTL stays usable, and how
+# long a joined worker's connection holds its identity in the database unless renewed
+# (a second connection with the same credential is refused meanwhile; a process that
+# died lets go after it). Renewed every third of it at the sync ticks, so never less than
+# three SYNC_SECS (raised to that).
+JOIN_TOKEN_TTL_SECS = env_float("JOIN_TOKEN_TTL_SECS", 3600.0)
+WORKER_LEASE_SECS = max(env_float("WORKER_LEASE_SECS", 15.0), 3 * SYNC_SECS)
 
 AUTH_MAX_FAILURES = env_int("AUTH_MAX_FAILURES", 5, minimum=1)
 AUTH_FAILURE_WINDOW_SECS = env_float("AUTH_FAILURE_WINDOW_SECS", 60.0)
@@ -332,8 +351,11 @@ LEGACY_DEFAULT_MAX_NEW_TOKENS = env_int("LEGACY_DEFAULT_MAX_NEW_TOKENS", 1024, m
 # batch, lines this process runs at once (never more than free slots: a batch only fills
 # idle capacity) and the free slots per model it leaves alone, the lines of one key's
 # batches that may wait, what "24h" means, and the engine's timings (look for work,
-# lease on a claimed line, write results).
+# lease on a claimed line, write results). Each key (and everything uploaded without
+# one) keeps at most so many files, of so many bytes in all.
 BATCH_FILE_MAX_BYTES = env_int("BATCH_FILE_MAX_BYTES", 100 * MIB, minimum=1)
+BATCH_MAX_FILES_PER_KEY = env_int("BATCH_MAX_FILES_PER_KEY", 100, minimum=1)
+BATCH_MAX_FILE_BYTES_PER_KEY = env_int("BATCH_MAX_FILE_BYTES_PER_KEY", 1024 * MIB, minimum=1)
 BATCH_MAX_LINES = env_int("BATCH_MAX_LINES", 50_000, minimum=1)
 BATCH_MAX_IN_FLIGHT = env_int("BATCH_MAX_IN_FLIGHT", 64, minimum=1)
 BATCH_SPARE_SLOTS = env_int("BATCH_SPARE_SLOTS", 0)
@@ -349,6 +371,12 @@ BATCH_RETENTION_DAYS = env_int("BATCH_RETENTION_DAYS", 30, minimum=1)
 # is told, the connection stays).
 WORKER_METRICS_MAX_BYTES = env_int("WORKER_METRICS_MAX_BYTES", 2 * MIB, minimum=1)
 WORKER_METRICS_MAX_SERIES = env_int("WORKER_METRICS_MAX_SERIES", 10_000, minimum=1)
+
+# OpenTelemetry traces (SPEC §17) are configured by the standard OTEL_* variables, read
+# by relay/wire/telemetry.py and the SDK. This one is ours: whether a client's
+# traceparent/tracestate is continued (true) or each request starts a new trace at the
+# edge (false: the client's context decides nothing and goes nowhere).
+OTEL_TRUST_INCOMING = env_bool("OTEL_TRUST_INCOMING", True)
 
 # --- Logging -----------------------------------------------------------------
 
@@ -368,6 +396,10 @@ if LOG_FORMAT not in ("text", "json"):
     from django.core.exceptions import ImproperlyConfigured
 
     raise ImproperlyConfigured(f"LOG_FORMAT must be text or json; got {LOG_FORMAT!r}")
+
+# One line per finished or refused request (relay.server.accesslog), logger
+# relay.access at INFO whatever LOG_LEVEL says; false: none.
+ACCESS_LOG = env_bool("ACCESS_LOG", True)
 
 LOGGING = {
     "version": 1,
@@ -392,5 +424,8 @@ LOGGING = {
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
         "django.channels.server": {"level": "WARNING"},
+        # Written by a thread of its own (relay.server.accesslog), through the same
+        # handler as every other line so that lines never interleave.
+        "relay.access": {"handlers": ["console"], "level": "INFO", "propagate": False},
     },
 }

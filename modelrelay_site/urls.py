@@ -1,5 +1,5 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import path, re_path
 
 from relay.pages import dashboard, wizard
 from relay.server.admin.api import api
@@ -24,4 +24,9 @@ urlpatterns = [
     path("setup/worker", wizard.worker, name="setup-worker"),
     path("setup/status", wizard.status, name="setup-status"),
     path("setup/worker.pyz", wizard.worker_pyz, name="setup-worker-pyz"),
+    re_path(
+        r"^setup/(?P<filename>modelrelay_worker-[A-Za-z0-9_.+]+-py3-none-any\.whl)$",
+        wizard.worker_wheel,
+        name="setup-worker-wheel",
+    ),
 ]

@@ -13,7 +13,9 @@ enforces it)::
     relay.pages   the people-facing pages: dashboard, setup wizard, worker.pyz   -> server, core
 
 What ships to a GPU box is ``worker.py`` plus ``relay/__init__.py``, ``relay/wire/``
-and ``relay/worker/`` — nothing else, and none of it imports Django.
+and ``relay/worker/`` — nothing else, and none of it imports Django. The
+``modelrelay-worker`` package (``pyproject.toml``) holds the same modules, with the
+``modelrelay-worker`` command in place of ``worker.py``.
 """
 
 __version__ = "0.1.0"

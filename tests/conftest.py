@@ -60,10 +60,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def django_db_modify_db_settings() -> None:
+def django_db_modify_db_settings(django_db_modify_db_settings_parallel_suffix: None) -> None:
     """A test database of this run's own on the shared PostgreSQL server: runs that
     overlap on one machine never share or drop each other's. (SQLite's is a file in
-    DATA_DIR, each checkout its own.)"""
+    DATA_DIR, each checkout its own; pytest-xdist's workers each add their suffix to it.)"""
     from django.conf import settings
 
     database = settings.DATABASES["default"]
@@ -90,6 +90,14 @@ def _close_database_pools(request: pytest.FixtureRequest) -> Iterator[None]:
         connection.close()
         if hasattr(connection, "close_pool"):
             connection.close_pool()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_state_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Workers the tests start (in-process or as subprocesses, which inherit this) keep
+    any credential in a directory of this run's own, never in the user's configuration
+    directory, where a credential left by one run would be used by the next."""
+    os.environ["WORKER_STATE_DIR"] = str(tmp_path_factory.mktemp("worker-state"))
 
 
 @pytest.fixture

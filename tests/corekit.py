@@ -67,8 +67,17 @@ def attach(
     load: int = 0,
     refuses: Callable[[RelayRequest], str | None] | None = None,
     features: list[str] | None = None,
+    states: dict[str, str] | None = None,
+    model_capacity: int | None = None,
 ) -> tuple[Worker, RecordingLink]:
+    """A worker attached to ``relay``; with ``states`` (model -> state) it speaks the
+    ``model_states`` extension (models on demand) and is acked for those models."""
     link = RecordingLink()
+    model_states = None
+    if states is not None:
+        features = [*(features or ()), protocol.MODEL_STATES]
+        model_states = [protocol.ModelState(model=m, state=s) for m, s in states.items()]
+        models = list(states) if models is None else models
     worker, _ = relay.attach_worker(
         provider=provider,
         name=name,
@@ -78,6 +87,8 @@ def attach(
         link=link,
         refuses=refuses,
         features=features or (),
+        model_states=model_states,
+        model_capacity=model_capacity,
     )
     return worker, link
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 import io
 import json
 import re
+import secrets
 import socket
+import sqlite3
 from collections import Counter
+from contextlib import closing
 from pathlib import Path
 from typing import Any, Final
 
@@ -21,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import require_service
+from tests.conftest import REDIS_URL, require_redis, require_service
 from tests.live import LiveServer, _scratch_postgres_database, live_server
 from tests.test_e2e import MODEL, poll, routable, running_worker
 from tests.upstream import ThreadedUpstream, upstream_in_thread
@@ -221,11 +224,18 @@ def _finished_here(server: LiveServer) -> int:
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("cluster", [False, True], ids=["database", "cluster"])
 def test_two_server_processes_on_one_postgresql_database_never_run_a_line_twice(
-    tmp_path: Path,
+    tmp_path: Path, cluster: bool
 ):
+    """Sharing only the database, or in cluster mode (Redis too): the process that
+    validates the batch reads a file uploaded through the other, and every line runs
+    once."""
     require_service("PostgreSQL", "127.0.0.1", 5432)
     shared = {**FAST, "MODELRELAY_SECRET_PEPPER": "pepper-shared-by-both-processes"}
+    if cluster:
+        require_redis()
+        shared |= {"REDIS_URL": REDIS_URL, "REDIS_PREFIX": f"mrtest-{secrets.token_hex(4)}"}
     with (
         _scratch_postgres_database() as database,
         upstream_in_thread(total_slots=2, first_byte_delay=0.03) as upstream,
@@ -270,3 +280,125 @@ def test_an_upload_over_the_limit_is_refused_before_its_body(relay_server_factor
                     break
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 413 ")
+
+
+def _head(method: str, path: str, length: int, content_type: str = "application/json") -> bytes:
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    answer = b""
+    while b"\r\n\r\n" not in answer and (chunk := sock.recv(4096)):
+        answer += chunk
+    return answer
+
+
+def _answer_to_head(port: int, head: bytes) -> bytes:
+    """Send a request's headers only (its body never comes) and read the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head)
+        return _read_answer(sock)
+
+
+def test_each_batch_route_is_refused_on_its_headers_before_any_body_byte(relay_server_factory):
+    with relay_server_factory(BATCH_FILE_MAX_BYTES="100000") as server:
+        cases = [
+            # Each route's own limit: a batch's creation 64 KiB, a Message Batch the
+            # file limit, an upload the file limit and its framing, none where no
+            # body is read (GET, DELETE, cancel).
+            (_head("POST", "/v1/batches", 65537), b"413 "),
+            (_head("POST", "/v1/messages/batches", 100001), b"413 "),
+            (_head("POST", "/v1/files", 200_000, "multipart/form-data; boundary=x"), b"413 "),
+            (_head("GET", "/v1/files", 65537), b"413 "),
+            (_head("DELETE", "/v1/messages/batches/msgbatch_x", 65537), b"413 "),
+            (_head("POST", "/v1/batches/batch_x/cancel", 65537), b"413 "),
+            # The method, the path and the content type, whatever the length.
+            (_head("PUT", "/v1/files", 10**8), b"405 "),
+            (_head("POST", "/v1/files/a/b/c", 10**8), b"404 "),
+            (_head("POST", "/v1/messages/batches", 10**8, "text/plain"), b"415 "),
+        ]
+        for head, status in cases:
+            answer = _answer_to_head(server.port, head)
+            assert answer.startswith(b"HTTP/1.1 " + status), (head, answer[:300])
+        anthropic = _answer_to_head(server.port, cases[1][0])
+        assert b'"request_too_large"' in anthropic and b'"type":"error"' in anthropic
+
+
+@pytest.mark.postgres
+def test_an_upload_that_comes_before_the_keys_are_loaded_waits_for_them_unread(tmp_path: Path):
+    """The first moments after a start: the API keys are being read (here held back by
+    a lock on their table). An upload without a key gets its 401 once they are, and
+    not a byte of its body is asked for meanwhile."""
+    require_service("PostgreSQL", "127.0.0.1", 5432)
+    import psycopg
+
+    with _scratch_postgres_database() as database:
+        env = {
+            "DATABASE_URL": database,
+            "MODELRELAY_REQUIRE_API_KEYS": "true",
+            "MODELRELAY_SECRET_PEPPER": "pepper-of-both-starts",
+        }
+        with live_server(tmp_path / "first", **env):
+            pass  # migrated
+        with psycopg.connect(database) as locking:
+            locking.execute("LOCK TABLE keys_apikey IN ACCESS EXCLUSIVE MODE")
+            with (
+                live_server(tmp_path / "second", **env) as server,
+                socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock,
+            ):
+                sock.sendall(_head("POST", "/v1/files", 10**8, "multipart/form-data; boundary=x"))
+                sock.settimeout(0.5)
+                with pytest.raises(TimeoutError):
+                    sock.recv(4096)  # no verdict while the keys are not loaded
+                locking.rollback()  # the keys can be read now
+                sock.settimeout(10)
+                answer = _read_answer(sock)
+        assert answer.startswith(b"HTTP/1.1 401 "), answer[:300]
+
+
+def test_a_server_killed_while_storing_an_upload_leaves_no_byte_behind(relay_server_factory):
+    """The upload's rows are written in one transaction: killed in the middle of it, the
+    server restarts with the whole file or with nothing of it, never loose chunks that
+    count against nobody. (Killed while the chunks are being written: the database's
+    write-ahead log has grown past a few of them, not yet committed.)"""
+    body, content_type = _upload_body(b"x" * (48 * 1024 * 1024))
+    with relay_server_factory() as server:
+        head = (
+            f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        database = server.data_dir / "db.sqlite3"
+        wal = database.with_name("db.sqlite3-wal")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(head + body)
+            poll(
+                lambda: wal.exists() and wal.stat().st_size > 8 * 1024 * 1024,
+                timeout=30,
+                what="the upload's chunks to be written",
+            )
+            server.kill()
+        server.start()
+        with closing(sqlite3.connect(database)) as db:
+            loose = db.execute(
+                "SELECT COUNT(*) FROM batches_filechunk c LEFT JOIN batches_storedfile f "
+                "ON f.id = c.file_id WHERE f.id IS NULL"
+            ).fetchone()
+            kept = db.execute(
+                "SELECT f.bytes, COALESCE(SUM(LENGTH(c.data)), 0) FROM batches_storedfile f "
+                "LEFT JOIN batches_filechunk c ON c.file_id = f.id GROUP BY f.id"
+            ).fetchall()
+        assert loose == (0,)
+        assert all(size == stored == 48 * 1024 * 1024 for size, stored in kept), kept
+
+
+def _upload_body(content: bytes) -> tuple[bytes, str]:
+    request = httpx.Request(
+        "POST",
+        "http://relay/v1/files",
+        files={"file": ("in.jsonl", content)},
+        data={"purpose": "batch"},
+    )
+    return request.read(), request.headers["content-type"]

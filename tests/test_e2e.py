@@ -7,9 +7,12 @@ tests can stay synchronous, like the SDKs they exercise.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import signal
+import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -25,7 +28,13 @@ import openai
 import pytest
 
 from tests.live import ROOT, LiveServer, live_server
-from tests.upstream import ThreadedUpstream, expected_text, unused_port, upstream_in_thread
+from tests.upstream import (
+    Recorded,
+    ThreadedUpstream,
+    expected_text,
+    unused_port,
+    upstream_in_thread,
+)
 
 pytestmark = pytest.mark.live
 
@@ -347,6 +356,150 @@ def test_a_dead_backend_withdraws_the_worker_and_its_requests_wait_for_another(
         assert workers_connected(server) == 1
         assert "withdrawing the models until it answers" in worker.log
         assert worker.process.poll() is None
+
+
+# --------------------------------------------------------------------------- the end of a stream
+
+
+@pytest.fixture(scope="module")
+def ending(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack whose request log is written at once, for the tests that read it."""
+    with (
+        upstream_in_thread(total_slots=4) as up,
+        live_server(
+            tmp_path_factory.mktemp("ending") / "server", REQUEST_LOG_FLUSH_SECS="0.05"
+        ) as server,
+        serving(server, up) as stack,
+    ):
+        yield stack
+
+
+def logged_rows(server: LiveServer) -> list[tuple[Any, ...]]:
+    """(endpoint, status, outcome, cancel reason, prompt, completion tokens) of every
+    request in the request log, oldest first."""
+    url = server.env["DATABASE_URL"]
+    sql = (
+        "SELECT endpoint, status, outcome, cancel_reason, prompt_tokens, completion_tokens "
+        "FROM workers_app_requestlog ORDER BY id"
+    )
+    if url.startswith("sqlite:///"):
+        with sqlite3.connect(url.removeprefix("sqlite:///")) as db:
+            return [tuple(r) for r in db.execute(sql)]
+    import psycopg
+
+    with psycopg.connect(url) as db:
+        return [tuple(r) for r in db.execute(sql)]
+
+
+def new_rows(server: LiveServer, before: int, count: int) -> list[tuple[Any, ...]]:
+    poll(lambda: len(logged_rows(server)) >= before + count, what=f"{count} request log rows")
+    return logged_rows(server)[before:]
+
+
+def metric(server: LiveServer, name: str, **labels: str) -> float:
+    """The sum of a metric's samples in /metrics with these labels (0 when none)."""
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    total = 0.0
+    for found, value in re.findall(rf"^{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M):
+        have = dict(re.findall(r'(\w+)="([^"]*)"', found))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def read_until(server: LiveServer, path: str, body: bytes, end: bytes) -> socket.socket:
+    """A raw HTTP/1.1 client that sent ``body`` and has read up to ``end`` (inclusive)."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    seen = b""
+    while end not in seen:
+        data = sock.recv(65536)
+        assert data, f"the stream ended before {end!r}: {seen!r}"
+        seen += data
+    return sock
+
+
+def went(server: LiveServer, seen: Recorded, left: float) -> bool:
+    """The backend request was cancelled, or the relay counts ``left`` streams whose
+    client left after the end."""
+    return (
+        seen.disconnected.is_set()
+        or metric(server, "modelrelay_streams_left_after_end_total") == left
+    )
+
+
+#: Each API's last event, as read to its end by a client that then hangs up.
+LAST_EVENTS = [
+    (CHAT, b"data: [DONE]\n\n"),
+    (MESSAGES, b'event: message_stop\ndata: {"type":"message_stop"}\n\n'),
+    (RESPONSES, b"event: response.completed\n"),
+]
+
+
+def test_a_client_that_hangs_up_after_the_last_event_is_logged_ok_and_charged(
+    ending: Stack,
+) -> None:
+    server, up = ending.server, ending.upstream
+    rows, tokens = len(logged_rows(server)), token_metrics(server)
+    cancels = metric(server, "modelrelay_cancels_total")
+    left = metric(server, "modelrelay_streams_left_after_end_total")
+    for n, (path, last) in enumerate(LAST_EVENTS, start=1):
+        arrived = len(up.requests_to(path))
+        # The backend's body (so the worker's completion) ends only when released.
+        body = body_for(path, stream=True, tokens=3, prompt_tokens=9, hold_end=True)
+        sock = read_until(server, path, body, last)
+        sock.close()
+        (seen,) = up.wait_requests(arrived + 1, path=path)[arrived:]
+        gone_or_left = functools.partial(went, server, seen, left + n)
+        poll(gone_or_left, what="the relay to see the client go")
+        assert not seen.disconnected.is_set(), f"{path}: the backend request was cancelled"
+        up.release()
+        up.wait_event(seen.finished)
+    assert new_rows(server, rows, 3) == [(p, 200, "ok", "", 9, 3) for p, _ in LAST_EVENTS]
+    expected = {
+        "prompt": tokens.get("prompt", 0) + 27,
+        "completion": tokens.get("completion", 0) + 9,
+    }
+    poll(lambda: token_metrics(server) == expected, what="the tokens in /metrics")
+    assert metric(server, "modelrelay_cancels_total") == cancels
+
+
+def test_a_client_that_hangs_up_mid_stream_still_cancels_the_backend(ending: Stack) -> None:
+    server, up = ending.server, ending.upstream
+    rows = len(logged_rows(server))
+    left = metric(server, "modelrelay_streams_left_after_end_total")
+    arrived = len(up.requests_to(CHAT))
+    body = body_for(CHAT, stream=True, tokens=500, token_delay=0.02)
+    read_until(server, CHAT, body, b"data: ").close()
+    (seen,) = up.wait_requests(arrived + 1, path=CHAT)[arrived:]
+    up.wait_event(seen.disconnected, timeout=10)
+    assert not seen.finished.is_set()
+    assert new_rows(server, rows, 1) == [(CHAT, 499, "cancelled", "client_disconnect", None, None)]
+    assert metric(server, "modelrelay_streams_left_after_end_total") == left
+
+
+def test_openai_sdk_streams_read_to_the_end_are_all_logged_ok_and_charged(ending: Stack) -> None:
+    """The SDK closes the connection as soon as it reads [DONE]; here the worker's
+    completion always comes after that, as it does now and then with a real backend."""
+    server = ending.server
+    rows = len(logged_rows(server))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-test", max_retries=0)
+    streams = 20
+    for _ in range(streams):
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_body={"mock": {"tokens": 3, "end_delay": 0.2}},
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == (
+            expected_text(3)
+        )
+    assert new_rows(server, rows, streams) == [(CHAT, 200, "ok", "", 7, 3)] * streams
 
 
 # --------------------------------------------------------------------------- SDKs

@@ -25,8 +25,11 @@ Behaviour is set by attributes (defaults for every request) or per request by a
 forced status and error body, delays before the first byte and per token,
 ``stepped`` (each write waits for :meth:`FakeUpstream.release`), a multi-byte
 UTF-8 character split across two writes, chunked or close-delimited framing, a
+stream whose body ends a while after its last event (``end_delay``, ``hold_end``), a
 stream broken off mid-way, ``hang`` (answer nothing until the client leaves), or
-``padding`` (a large SSE comment before every event: a big stream in few writes).
+``padding`` (a large SSE comment before every event: a big stream in few writes),
+``line_ending`` (LF, CRLF or CR throughout a stream) and ``blank_apart`` (each event's
+closing blank line in a write of its own).
 
 Every request is recorded (:class:`Recorded`) with an :class:`asyncio.Event` for
 "the response was fully written" and one for "the client disconnected first", so
@@ -53,6 +56,8 @@ import msgspec
 
 T = TypeVar("T")
 Framing = Literal["chunked", "close"]
+LineEnding = Literal["lf", "crlf", "cr"]
+_LINE_ENDINGS = {"lf": b"\n", "crlf": b"\r\n", "cr": b"\r"}
 #: ``llama``: as llama-server, usage when asked, and its ``timings`` on the last chunk
 #: with choices, or on the usage chunk when usage was asked for.
 StreamUsage = Literal["when_asked", "openai", "unless_declined", "never", "llama"]
@@ -90,6 +95,16 @@ class Mock(msgspec.Struct, forbid_unknown_fields=True):
     hang: bool = False
     #: Bytes of an SSE comment (``: ---…``, ignored by SSE clients) before each event.
     padding: int = 0
+    #: The line ending of a stream's events (SSE allows each of LF, CRLF and CR).
+    line_ending: LineEnding = "lf"
+    #: Each event's closing blank line is a write of its own (after the event's last
+    #: line and its ending); with ``stepped``, each waits for its own release.
+    blank_apart: bool = False
+    #: A stream's body ends this long after its last event (the worker's completion
+    #: comes that much later), or, with ``hold_end``, once :meth:`FakeUpstream.release`
+    #: lets it.
+    end_delay: float = 0.0
+    hold_end: bool = False
 
 
 class _Body(msgspec.Struct):
@@ -116,6 +131,8 @@ class Recorded:
     #: Writes wait for the socket to drain, so this stops growing while the client
     #: reads nothing, once the socket buffers between them are full.
     bytes_written: int = 0
+    #: The query string of the request target (after ``?``).
+    query: str = ""
 
     def json(self) -> Any:
         return msgspec.json.decode(self.body)
@@ -266,7 +283,8 @@ class FakeUpstream:
                     headers[name.strip().lower()] = value.strip()
                 length = int(headers.get("content-length") or 0)
                 body = await reader.readexactly(length) if length else b""
-                rec = Recorded(method, target.split("?", 1)[0], headers, body)
+                path, _, query = target.partition("?")
+                rec = Recorded(method, path, headers, body, query=query)
                 # A backend without metrics (the default here) is still asked for them
                 # by the worker's sampler: those asks are not requests a test counts.
                 scrape = rec.path == "/metrics" and self.metrics_text is None
@@ -440,10 +458,15 @@ class FakeUpstream:
             if mock.padding > 0 and b'"choices":[],"usage"' not in event:
                 # (Not before a usage chunk: a stream is the same with it or without.)
                 event = b": " + b"-" * mock.padding + b"\n\n" + event
+            eol = _LINE_ENDINGS[mock.line_ending]
+            if eol != b"\n":
+                event = event.replace(b"\n", eol)  # (JSON text holds no raw newline)
             pieces = [event]
             if mock.split_utf8 and _EURO in event:
                 cut = event.index(_EURO) + 1
                 pieces = [event[:cut], event[cut:]]
+            if mock.blank_apart:
+                pieces[-1:] = [pieces[-1][: -len(eol)], eol]
             for piece in pieces:
                 if mock.stepped:
                     await self._steps.acquire()
@@ -457,6 +480,10 @@ class FakeUpstream:
                 await writer.drain()
             if token_delay > 0 and index < len(events) - 1:
                 await asyncio.sleep(token_delay)
+        if mock.hold_end:
+            await self._steps.acquire()
+        if mock.end_delay > 0:
+            await asyncio.sleep(mock.end_delay)
         if framing == "chunked":
             writer.write(b"0\r\n\r\n")
             await writer.drain()

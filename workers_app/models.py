@@ -246,3 +246,79 @@ class SiteState(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class JoinToken(models.Model):
+    """A join token (SPEC §22): lets up to ``uses`` workers join ``provider`` before it
+    expires, each trading it for a credential of its own. Shown once when minted; only a
+    lookup prefix and an HMAC are kept, like provider secrets and API keys."""
+
+    provider = models.ForeignKey(Provider, on_delete=models.CASCADE, related_name="join_tokens")
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    token_hash = models.CharField(max_length=64, editable=False)
+    uses = models.PositiveIntegerField(
+        default=1, help_text="How many workers may join with it (1: single use)."
+    )
+    used = models.PositiveIntegerField(default=0, editable=False)
+    expires_at = models.DateTimeField(db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    #: Who minted it: "admin: NAME", "setup: NAME", "api", "manage.py".
+    created_by = models.CharField(max_length=100, blank=True, editable=False)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.prefix}… ({self.provider.name})"
+
+    def state(self, now: dt.datetime | None = None) -> str:
+        """usable, used, expired or revoked."""
+        now = now or timezone.now()
+        if self.revoked_at is not None:
+            return "revoked"
+        if self.used >= self.uses:
+            return "used"
+        if self.expires_at <= now:
+            return "expired"
+        return "usable"
+
+
+class JoinedWorker(models.Model):
+    """A worker that joined with a token: its own credential, of which only a lookup
+    prefix and an HMAC are kept. Revoking it closes its connection (whichever server
+    process holds it) and refuses it from then on; every other worker stays."""
+
+    provider = models.ForeignKey(Provider, on_delete=models.CASCADE, related_name="joined_workers")
+    name = models.CharField(max_length=200)
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    credential_hash = models.CharField(max_length=64, editable=False)
+    joined_with = models.ForeignKey(
+        JoinToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_seen_at = models.DateTimeField(null=True, blank=True)
+    last_address = models.CharField(max_length=64, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    #: The connection that holds this identity now ("" when none) and until when that
+    #: hold stands unless renewed: a second connection is refused meanwhile, and a
+    #: server process that died lets go by itself.
+    holder = models.CharField(max_length=64, blank=True, editable=False)
+    held_until = models.DateTimeField(null=True, blank=True, editable=False)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.provider.name}, #{self.pk})"
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+    def connected(self, now: dt.datetime | None = None) -> bool:
+        return (
+            bool(self.holder)
+            and self.held_until is not None
+            and (self.held_until > (now or timezone.now()))
+        )

@@ -5,11 +5,12 @@
 - :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
 - :mod:`bench.report.sections`: (a) to (f);
 - :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits,
-  (m) cluster mode on a Redis watched by Sentinel;
+  (p) cluster mode on a Redis watched by Sentinel;
 - :mod:`bench.report.batches`: (i) batches on idle capacity;
 - :mod:`bench.report.classes`: (j) priority classes;
 - :mod:`bench.report.affinity`: (k) cache-aware routing;
 - :mod:`bench.report.fleet`: (l) fleet observability (tracing, federation);
+- :mod:`bench.report.ondemand`: (m) models on demand;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
 - :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.
@@ -19,7 +20,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.report import affinity, batches, classes, cluster, fleet, goals, ratios, sections
+from bench.report import (
+    affinity,
+    batches,
+    classes,
+    cluster,
+    fleet,
+    goals,
+    ondemand,
+    ratios,
+    sections,
+)
 
 LEGEND = (
     "CPU columns are shares of one core over the measured window, from `/proc/<pid>/stat`: "
@@ -47,6 +58,7 @@ def tables(res: dict[str, Any]) -> str:
         classes.classes(res),
         affinity.affinity(res),
         fleet.fleet(res),
+        ondemand.ondemand(res),
         cluster.failover(res),
     ]
     return "\n".join(line for part in parts for line in part)

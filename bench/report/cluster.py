@@ -1,4 +1,4 @@
-"""(g) two server processes through Redis, (h) what per-key limits cost, and (m) cluster
+"""(g) two server processes through Redis, (h) what per-key limits cost, and (p) cluster
 mode on a Redis watched by Sentinel."""
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def failover(res: dict[str, Any]) -> list[str]:
         return []
     from bench.failover import FAILOVER_LOAD_SECS, SPREAD_CPU_RATIO
 
-    title = "### (m) Cluster mode on a Redis watched by Sentinel"
+    title = "### (p) Cluster mode on a Redis watched by Sentinel"
     if "skipped" in m:
         return [title, "", f"Not run: {m['skipped']}.", ""]
     one, spread, f = m["one"], m["spread"], m["failover"]

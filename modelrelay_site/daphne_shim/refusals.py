@@ -13,6 +13,7 @@ application names the same way.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from modelrelay_site.daphne_shim.probe import Patch
@@ -102,7 +103,10 @@ def apply() -> None:
             original_content_done(self)
 
     def raw_data_received(self: Any, data: bytes) -> None:
-        if not getattr(self, "_relay_refused", False):
+        held = getattr(self, "_relay_held", None)
+        if held is not None:  # waiting for the verdict: what already came is kept
+            held.append(data)
+        elif not getattr(self, "_relay_refused", False):
             original_raw(self, data)
 
     HTTPChannel.lineReceived = line_received
@@ -125,9 +129,13 @@ def _checks() -> tuple[Any, ...]:
     return refused_before_body, batches.serves
 
 
+#: :func:`early_refusal`'s answer when the verdict must wait for the API keys.
+WAIT = b"wait"
+
+
 def early_refusal(channel: Any, *, batches: bool) -> bytes | None:
     """The response for a request refused on its headers alone, or None (then the
-    body limit the application named is set on the request).
+    body limit the application named is set on the request), or :data:`WAIT`.
 
     Only requests with a body to avoid: a declared length over the application's
     :data:`~relay.server.http.early.EARLY_BODY_BYTES`, or a chunked one. A smaller
@@ -148,12 +156,46 @@ def early_refusal(channel: Any, *, batches: bool) -> bytes | None:
         for value in values
     ]
     verdict = refused_before_body(channel._command.decode("latin-1"), path, headers)
+    if verdict.wait:
+        return WAIT
     if verdict.refusal is not None:
         return _refusal(verdict.refusal)
     if verdict.limit is not None:
         request._relay_limit = verdict.limit
         request._relay_too_large = verdict.too_large
     return None
+
+
+def wait_for_keys(channel: Any, again: Callable[[], None]) -> None:
+    """The verdict needs the API keys, not loaded yet (the first moments after a
+    start): read nothing more of the connection, keep what already came, and ask
+    ``again`` once the runtime is ready, then hand the kept bytes on."""
+    import asyncio
+
+    from relay.server import runtime
+
+    channel._relay_held = []
+    channel.transport.pauseProducing()
+
+    def resume(_: object) -> None:
+        held, channel._relay_held = channel._relay_held, None
+        transport = channel.transport
+        if transport is None or getattr(transport, "disconnected", False):
+            return  # the client left meanwhile
+        again()
+        if not getattr(channel, "_relay_refused", False):
+            transport.resumeProducing()
+            if held:
+                channel.rawDataReceived(b"".join(held))
+
+    asyncio.ensure_future(runtime.current().ready()).add_done_callback(resume)
+
+
+def not_ready() -> bytes:
+    """The answer when the keys are still not loaded after the runtime's wait."""
+    from relay.wire.errors import ServiceUnavailable, error_response
+
+    return _refusal(error_response(ServiceUnavailable("API keys are not loaded yet"), "openai"))
 
 
 def _install_body_limit() -> None:

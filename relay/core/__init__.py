@@ -5,7 +5,9 @@
 interface) and ``fairqueue`` (its order: API keys in weighted round-robin),
 ``dispatch`` (admission, routing, deadlines, cancellation) with its bases ``providers``
 (the provider table: which provider and model id a request goes to), ``cluster`` (its
-side of cluster mode) and ``capacity`` (worker loss, requeue, feeding the queue),
+side of cluster mode), ``capacity`` (worker loss, requeue, feeding the queue) and
+``residency`` with ``upkeep`` (models on demand: what is loaded where; the choices
+themselves in ``modelplan``),
 ``relay`` (the :class:`~relay.core.relay.Relay` the edges hold: the dispatcher plus
 the frames that come from workers), ``config``, ``stats``, ``timeline`` and
 ``snapshot`` (read-only views), ``keycache``, ``credentials`` and ``ratelimit``;

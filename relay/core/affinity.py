@@ -4,11 +4,22 @@ backend still holds its prompt prefix.
 Each request gets an :class:`Affinity` when it is admitted: the hash of an explicit key
 (OpenAI's ``prompt_cache_key``, else the session header) and the chained hashes of
 fixed-size blocks of its canonical prompt (system or instructions, tools, then the
-messages, input or prompt, each as the client's JSON; seeded with the model). No
-tokenizer: a block is ``block_bytes`` of that JSON (a part's last block may be
-shorter), and a block hash names the whole prefix that ends with it, so two prompts
-share block *i* only if they share everything before it. A collision (xxh3, 64 bits)
-only ever changes where a request goes.
+messages, input or prompt, each as the client's JSON; seeded with the model and the API
+key's scope). No tokenizer: a block is ``block_bytes`` of that JSON (a part's last block
+may be shorter), and a block hash names the whole prefix that ends with it, so two
+prompts share block *i* only if they share everything before it. A collision (xxh3, 64
+bits) only ever changes where a request goes.
+
+**Scope.** A backend that reports cached tokens (and the time a prompt takes) tells a
+client whether its prompt was there already: were the index shared, one API key could
+learn whether another sent a given prompt by sending it too. So the seed of every hash
+of a request (its explicit key, its blocks, its cluster anchor) holds its API key's id
+as well as its model, and the index of one key never matches another's: the per-worker
+LRUs, what a reported miss removes and the cluster's conversation map all follow with
+no other change. Requests without a key form one scope. An operator whose keys are one
+tenant, or who wants a system prompt that all keys send reused, sets
+``share_across_keys`` (AFFINITY_SHARE_ACROSS_KEYS): the seed is then the model's alone,
+as if no request had a key.
 
 :class:`Router` keeps, per worker, an LRU of the blocks it was last sent (at most
 ``worker_blocks``; the prefix blocks of a chain are touched last, so a worker's
@@ -127,6 +138,9 @@ class AffinityConfig:
     cluster_ttl: float = 3600.0
     #: The session header (AFFINITY_SESSION_HEADER), lower case; the edge reads it.
     session_header: str = "x-session-id"
+    #: Prefixes, explicit keys and session headers match across API keys
+    #: (AFFINITY_SHARE_ACROSS_KEYS); off, each key routes only by its own.
+    share_across_keys: bool = False
 
 
 class Affinity:
@@ -201,11 +215,18 @@ class Affinity:
 
 
 def affinity_of(
-    prompt: Prompt | None, model: str, session: str | None, config: AffinityConfig
+    prompt: Prompt | None,
+    model: str,
+    session: str | None,
+    key_id: int | None,
+    config: AffinityConfig,
 ) -> Affinity | None:
     """The affinity of a request (None: nothing to route by); ``session`` is the value
-    of its session header."""
-    seed = _hash(model.encode())
+    of its session header, ``key_id`` its API key (None: none)."""
+    # The key's scope is the hash's own seed (no bytes added to hash): 0 (xxh3's
+    # default) for no key and when keys share, so those hashes are the model's alone.
+    scope = 0 if key_id is None or config.share_across_keys else key_id + 1
+    seed = _hash(model.encode(), scope)
     explicit = prompt.prompt_cache_key if prompt is not None else None
     if not isinstance(explicit, str) or not explicit:
         explicit = session or None
@@ -283,10 +304,13 @@ class Router:
     def enabled(self) -> bool:
         return self.config.policy == "cache_aware"
 
-    def affinity(self, prompt: Prompt | None, model: str, session: str | None) -> Affinity | None:
+    def affinity(
+        self, prompt: Prompt | None, model: str, session: str | None, key_id: int | None
+    ) -> Affinity | None:
+        """A request's affinity, in the scope of its API key (see the module docstring)."""
         if not self.enabled:
             return None
-        return affinity_of(prompt, model, session, self.config)
+        return affinity_of(prompt, model, session, key_id, self.config)
 
     # -- choosing ---------------------------------------------------------------------
 
@@ -459,6 +483,7 @@ class Router:
             "policy": self.config.policy,
             "guard": {"load_factor": self.config.load_factor, "load_slack": self.config.load_slack},
             "min_match": self.config.min_match,
+            "share_across_keys": self.config.share_across_keys,
             "decisions": {d: self.decisions[d] for d in DECISIONS},
             "predicted_hits_confirmed": confirmed,
             "predicted_hits_refuted": refuted,

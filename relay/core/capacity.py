@@ -46,6 +46,7 @@ class Capacity:
         active: int
         _idle: asyncio.Event
         _heartbeat_task: asyncio.Task[None] | None
+        _residency_task: asyncio.Task[None] | None
         _drain_timers: dict[str, asyncio.TimerHandle]
 
         @property
@@ -66,12 +67,20 @@ class Capacity:
 
         def _enqueue(self, state: ProviderState, request: RelayRequest, now: float) -> None: ...
 
+        def _forget_worker_models(self, worker: Worker) -> None: ...
+
+        def _reconcile(self) -> None: ...
+
+        def _await_model(self, state: ProviderState, request: RelayRequest) -> None: ...
+
     def detach_worker(self, worker: Worker, reason: str) -> None:
         """The worker is gone: requeue what can be, fail the rest. Idempotent."""
         if not worker.attached:
             return
         self.registry.remove(worker, self.loop.time())
         self.router.forget_worker(worker.id)
+        if worker.states is not None:
+            self._forget_worker_models(worker)
         if self.placement is not None:
             self.placement.worker_gone(worker)
         timer = self._drain_timers.pop(worker.id, None)
@@ -138,6 +147,7 @@ class Capacity:
                 assert self.placement is not None
                 self.placement.place(request)
                 return False  # placed by the placement, not by a local dispatch
+            self._await_model(state, request)
             return True
         return False
 
@@ -170,6 +180,8 @@ class Capacity:
             return
         if not self.clustered:
             self._feed(worker)
+            if worker.states is not None:
+                self._reconcile()  # an idle model may make room for a waiting one
 
     def _feed(self, worker: Worker) -> None:
         """Hand queued requests to ``worker`` while it has room, in the queue's order
@@ -218,13 +230,15 @@ class Capacity:
 
     async def aclose(self) -> None:
         """Cancel the core's own tasks and timers (tests, shutdown)."""
-        task, self._heartbeat_task = self._heartbeat_task, None
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        tasks = [self._heartbeat_task, self._residency_task]
+        self._heartbeat_task = self._residency_task = None
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         for timer in self._drain_timers.values():
             timer.cancel()
         self._drain_timers.clear()

@@ -12,7 +12,10 @@ a deque as well; the promotion check looks only at the front of each (O(1) amort
 done on every look at the queue).
 
 A request keeps its class (what it is billed and reported as); its ``rank`` is where it
-waits now.
+waits now, and what it counts as once dispatched: every way out of the queue ages it
+first (:meth:`ClassedQueue.remove` too, which the cluster's placement takes requests out
+by), so a request leaves with the rank its wait earned and preemption
+(:mod:`relay.core.preemption`) judges it by that.
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ class ClassedQueue:
         return self._size
 
     def depth_by_class(self) -> dict[str, int]:
+        """Queued requests by the class they count as now (aged ones in their new class)."""
+        self._age()
         return {name: len(queue) for name, queue in zip(CLASSES, self.classes, strict=True)}
 
     def push(self, request: RelayRequest) -> None:
@@ -99,6 +104,7 @@ class ClassedQueue:
         return None
 
     def remove(self, request: RelayRequest) -> bool:
+        self._age()  # (a request taken out to run leaves with the rank its wait earned)
         rank = request.rank
         if 0 <= rank < len(self.classes) and self.classes[rank].remove(request):
             self._size -= 1

@@ -29,6 +29,7 @@ class ClusterSide:
         providers: dict[str, ProviderState]
         placement: Placement | None
         remote_models: dict[str, frozenset[str]]
+        remote_loaded: dict[str, frozenset[str]]
         shutting_down: bool
         active: int
         instance: str
@@ -73,15 +74,22 @@ class ClusterSide:
         on it (the count the shared reservations must never fall below)."""
         return len(worker.in_flight) - worker.light >= worker.max_concurrent
 
-    def set_remote_models(self, models: dict[str, frozenset[str]]) -> None:
-        """Cluster mode: what the workers of the other processes serve now. A model that
-        left is remembered for MODEL_MEMORY_SECS, like a local worker's."""
+    def set_remote_models(
+        self,
+        models: dict[str, frozenset[str]],
+        loaded: dict[str, frozenset[str]] | None = None,
+    ) -> None:
+        """Cluster mode: what the workers of the other processes serve now (``loaded``:
+        the part of it they have loaded, models on demand; None: unchanged). A model
+        that left is remembered for MODEL_MEMORY_SECS, like a local worker's."""
         now = self.loop.time()
         for provider, before in self.remote_models.items():
             for model in before - models.get(provider, frozenset()):
                 if not self.registry.serving(provider, model):
                     self.registry.remember(provider, model, now)
         self.remote_models = models
+        if loaded is not None:
+            self.remote_loaded = loaded
 
     def waiting_requests(self) -> list[RelayRequest]:
         """Every request waiting in this process's queues, oldest first per provider."""
@@ -149,6 +157,9 @@ class ClusterSide:
         )
         if worker.refuses is not None and worker.refuses(request) is not None:
             raise WorkerUnavailable(spend=False)  # (the placing process checks this first)
+        if model not in worker.model_set:
+            # Models on demand: unloaded since the placing process chose it.
+            raise WorkerUnavailable(spend=False)
         request.lease = lease
         request.trace = trace
         request.relay_role = "worker"

@@ -37,6 +37,9 @@ class RelayConfig:
     stream_buffer_total_bytes: int = 256 * MIB
     #: A client that takes nothing for this long while its response waits is cut off.
     stall_timeout: float = 60.0
+    #: A stream's client that left after its last event does not cancel it: the request
+    #: waits this long at most for its completion (and usage) before it is cancelled.
+    stream_end_grace: float = 5.0
     model_memory: float = 600.0
     drain_timeout: float = 300.0
     shutdown_grace: float = 30.0
@@ -57,6 +60,14 @@ class RelayConfig:
     #: :data:`relay.core.routes.NON_GENERATING`) one worker runs at once, beside its
     #: generation slots (NON_GENERATING_PER_WORKER).
     non_generating_per_worker: int = 4
+    #: Models on demand (SPEC §19): how long requests wait for their model to be loaded
+    #: (MODEL_LOAD_TIMEOUT_SECS); how long a loaded model's queue may stay waiting
+    #: before a second copy loads where a model slot is free (MODEL_SCALE_OUT_WAIT_SECS,
+    #: 0: never); how long a loaded model may sit idle before it is unloaded
+    #: (MODEL_IDLE_UNLOAD_SECS, 0: never).
+    model_load_timeout: float = 300.0
+    model_scale_out_wait: float = 10.0
+    model_idle_unload: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

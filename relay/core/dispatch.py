@@ -37,13 +37,16 @@ from relay.core.placement import Placement
 from relay.core.preemption import Preemption
 from relay.core.providers import ProviderState, ProviderTable
 from relay.core.registry import Registry
+from relay.core.residency import Residency
 from relay.core.routes import NON_GENERATING
 from relay.core.state import CANCELLED, Completion, Phase, RelayRequest, Worker
 from relay.core.stats import RelayStats, RequestRecord
-from relay.core.tracer import RequestTracer
+from relay.core.tracer import NullTracer, RequestTracer
+from relay.core.upkeep import ModelUpkeep
 from relay.wire import protocol
 from relay.wire.errors import (
     Flavor,
+    ModelLoadTimeout,
     PayloadTooLarge,
     QueueFull,
     QueueTimeout,
@@ -59,7 +62,7 @@ logger = logging.getLogger("relay")
 Observer = Callable[[RequestRecord], None]
 
 
-class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
+class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, ModelUpkeep):
     def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
@@ -83,11 +86,14 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self.reserved: dict[str, str] = {}
         #: Cluster mode (SPEC §11): where requests are placed; None in a single process.
         self.placement: Placement | None = None
-        #: Told of each traced request's dispatch and end; None while tracing is off.
-        self.tracer: RequestTracer | None = None
-        #: Cluster mode: provider -> models served by workers of other processes.
+        #: Told of each request's dispatch and end; a NullTracer while tracing is off.
+        self.tracer: RequestTracer = NullTracer()
+        #: Cluster mode: provider -> models served by workers of other processes, and
+        #: the part of them some worker has loaded (models on demand, SPEC §19).
         self.remote_models: dict[str, frozenset[str]] = {}
+        self.remote_loaded: dict[str, frozenset[str]] = {}
         self.evicted: dict[str, int] = {}
+        self._init_residency()
 
     # ------------------------------------------------------------------ requests
 
@@ -154,7 +160,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         request.service_class = service_class
         request.rank = RANK[service_class]
         if self.router.enabled:
-            affinity = request.affinity = self.router.affinity(prompt, model, session)
+            affinity = request.affinity = self.router.affinity(prompt, model, session, key_id)
             if affinity is not None:
                 if self.placement is not None:
                     affinity.anchor()  # what the cluster places it by, computed once
@@ -173,6 +179,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
             self._aim(request, primary, primary_target)
             self.active += 1
             self._enqueue(primary, request, now)
+            self._await_model(primary, request)  # before its entry is placed: its deadline
             assert self.placement is not None
             self.placement.place(request)
             return request
@@ -198,6 +205,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self.active += 1
         self._enqueue(primary, request, now)
         self._preempt_for(primary, request)
+        self._await_model(primary, request)  # models on demand: loaded nowhere yet?
         return request
 
     def _select(self, provider: str, model: str, request: RelayRequest) -> Worker | None:
@@ -323,9 +331,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self._arm(request, request.queue_deadline)
 
     def _assign(self, request: RelayRequest, worker: Worker, now: float) -> None:
-        headers = request.headers
-        if self.tracer is not None:
-            headers = self.tracer.dispatched(request, worker, now)
+        headers = self.tracer.dispatched(request, worker, now)
         if request.enqueued_at is not None:
             request.queue_wait += now - request.enqueued_at
             request.enqueued_at = None
@@ -337,6 +343,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         worker.in_flight[request.id] = request
         if request.affinity is not None:
             self.router.assigned(request, worker)
+        if worker.states is not None:
+            self._took(worker, request, now)
         if request.light:
             if request.lease is None:
                 worker.light += 1
@@ -396,7 +404,12 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
                     request.model,
                     extra={"request_id": request.id},
                 )
-                self._finish(request, QueueTimeout())
+                if request.awaits_load and not self.registry.loaded(
+                    request.provider, request.model
+                ):
+                    self._finish(request, ModelLoadTimeout(request.model))
+                else:
+                    self._finish(request, QueueTimeout())
             else:
                 self._finish(request, RequestTimeout())
         elif request.phase is Phase.ASSIGNED:
@@ -449,8 +462,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption):
         self.active -= 1
         if self.shutting_down and self.active <= 0:
             self._idle.set()
-        if self.tracer is not None:
-            self.tracer.finished(request)
+        self.tracer.finished(request)
         self._record(request, cancel_reason)
 
     def _record(self, request: RelayRequest, cancel_reason: str | None) -> None:

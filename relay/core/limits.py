@@ -17,7 +17,14 @@ queued + running ≥ max_concurrent     429     1 s
 ====================================  ======  ==========================================
 
 Budgets are checked on admission only, so a request that started under budget
-finishes; its tokens (as its worker reported them) count when it ends.
+finishes; its tokens (as its worker reported them) count when it ends. Meanwhile what
+it may cost (:func:`reservation`: the output tokens it asks for at most, plus its
+prompt) is *reserved*: admission counts the key's spend plus everything reserved by its
+requests in flight, so a key cannot start more at once than its budget covers, and a
+budget is overshot by at most what its last admitted requests really cost beyond it.
+When a request ends its reservation is settled: replaced by its real tokens, or just
+released when it failed or was cancelled (a dead process's reservations stop counting
+with its lease, see :mod:`relay.server.cluster.limits`).
 ``requests_per_minute`` is a continuously refilled allowance (GCRA, the token bucket
 as a single timestamp): a burst of up to N, then one more every 60/N seconds; it has
 no window edges at which 2N requests could pass within a second.
@@ -39,8 +46,11 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
+import msgspec
+
+from relay.core.affinity import Prompt
 from relay.wire.errors import (
     ConcurrencyLimited,
     DailyQuotaExceeded,
@@ -61,6 +71,64 @@ WARN_EVERY_SECS = 60.0
 MAX_WEIGHT = 1000
 
 
+#: A prompt is reckoned at this many bytes of body a token (JSON and text average about
+#: four): a reservation needs the right size, not the tokenizer's count.
+BYTES_PER_TOKEN = 4
+#: The most one request reserves (a client's absurd ``max_tokens`` stays a number).
+MAX_RESERVATION = 1 << 30
+
+
+def reservation(prompt_bytes: int, *max_output: object) -> int:
+    """What a request may cost against its key's token budgets, reserved when it is
+    admitted: the most output tokens it asks for (the largest positive integer of
+    ``max_output``, e.g. ``max_completion_tokens``, ``max_tokens``, ``max_output_tokens``;
+    none: 0) plus its prompt's ``prompt_bytes`` at :data:`BYTES_PER_TOKEN` a token,
+    at most :data:`MAX_RESERVATION`."""
+    most = 0
+    for value in max_output:
+        if type(value) is int and value > most:  # (not a bool, not a float)
+            most = value
+    return min(MAX_RESERVATION, most + -(-prompt_bytes // BYTES_PER_TOKEN))
+
+
+class Cost(Prompt):
+    """What a request may cost against its key's token budgets, as its body says: the
+    output it asks for at most (chat's ``max_completion_tokens`` or ``max_tokens``,
+    completions' and Anthropic's ``max_tokens``, Responses' ``max_output_tokens``) and
+    its prompt's parts (kept raw). The HTTP edge decodes it with the model, in the same
+    pass (:mod:`relay.server.http.request`)."""
+
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    max_output_tokens: Any = None
+
+    def reservation(self) -> int:
+        """The tokens to reserve for it (:func:`reservation`)."""
+        prompt = (
+            len(self.system)
+            + len(self.instructions)
+            + len(self.tools)
+            + len(self.messages)
+            + len(self.input)
+            + len(self.prompt)
+        )
+        return reservation(
+            prompt, self.max_completion_tokens, self.max_tokens, self.max_output_tokens
+        )
+
+
+_cost_decoder = msgspec.json.Decoder(Cost)
+
+
+def reservation_of(body: bytes | str) -> int:
+    """The tokens to reserve for a body nothing decoded yet (a batch line's); 0 when it
+    is not a JSON object."""
+    try:
+        return _cost_decoder.decode(body).reservation()
+    except (msgspec.DecodeError, RecursionError):
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class KeyLimits:
     """An API key's limits; None means "no limit"."""
@@ -79,6 +147,11 @@ class KeyLimits:
     #: highest it may ask for.
     default_class: str = "default"
     max_class: str = "default"
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the key has a token budget (and so its requests reserve tokens)."""
+        return self.tokens_per_day is not None or self.tokens_per_month is not None
 
     @property
     def counted(self) -> bool:
@@ -150,17 +223,19 @@ class LimitStore(Protocol):
     """Where the counters of the counted limits live. Called on the event loop."""
 
     async def acquire(
-        self, key_id: int, limits: KeyLimits, at: Periods, now: float
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float, reserve: int = 0
     ) -> Refusal | None:
-        """Check ``limits`` (budgets, rate, concurrency, in :data:`Limit` order) and,
-        when none is exceeded, count the request — a concurrency slot when
-        ``max_concurrent`` is set, one request in the rate when
-        ``requests_per_minute`` is — all atomically, in one round trip at most.
+        """Check ``limits`` (budgets, rate, concurrency, in :data:`Limit` order; a budget
+        counts the tokens spent and those reserved by requests in flight) and, when none
+        is exceeded, count the request — a concurrency slot when ``max_concurrent`` is
+        set, one request in the rate when ``requests_per_minute`` is, ``reserve`` tokens
+        reserved when the key has a budget — all atomically, in one round trip at most.
         Raises :class:`LimitStoreUnavailable` when the store cannot answer."""
 
-    def finish(self, key_id: int, held: bool, tokens: int, at: Periods) -> None:
-        """A request of ``key_id`` ended: give back its slot when it ``held`` one and
-        add ``tokens`` to the key's spend for the day and month ``at``. Returns at once."""
+    def finish(self, key_id: int, held: bool, tokens: int, at: Periods, reserved: int = 0) -> None:
+        """A request of ``key_id`` ended: give back its slot when it ``held`` one, release
+        the ``reserved`` tokens and add ``tokens`` to the key's spend for the day and
+        month ``at``, at once. Returns at once."""
 
     async def spend(self, key_ids: Collection[int], at: Periods) -> dict[int, tuple[int, int]]:
         """Tokens spent (today, this month) per key that spent any."""
@@ -178,19 +253,23 @@ def tokens_of(counts: TokenCounts | None) -> int:
 class Ticket:
     """One admitted request of one key; :meth:`close` exactly once when it ends."""
 
-    __slots__ = ("_limiter", "held", "key_id", "open", "weight")
+    __slots__ = ("_limiter", "held", "key_id", "open", "reserved", "weight")
 
-    def __init__(self, limiter: Limiter, key_id: int, weight: int, held: bool) -> None:
+    def __init__(
+        self, limiter: Limiter, key_id: int, weight: int, held: bool, reserved: int = 0
+    ) -> None:
         self._limiter = limiter
         self.key_id = key_id
         self.weight = weight
         #: True when the store counted a concurrency slot for it.
         self.held = held
+        #: Tokens the store reserved for it against the key's budgets.
+        self.reserved = reserved
         self.open = True
 
     def close(self, counts: TokenCounts | None = None) -> None:
-        """The request ended (or was never queued): free its slot, charge its tokens.
-        Idempotent."""
+        """The request ended (or was never queued): free its slot, settle its
+        reservation with the tokens it cost. Idempotent."""
         if self.open:
             self.open = False
             self._limiter.finished(self, tokens_of(counts))
@@ -221,29 +300,33 @@ class Limiter:
             shown = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires))
             raise KeyExpired(f"API key expired at {shown}")
 
-    async def admit(self, key_id: int, limits: KeyLimits, model: str) -> Ticket:
-        """Admit one request of ``key_id`` for ``model``, or raise the error that says
-        which limit refused it (see the module docstring)."""
+    async def admit(self, key_id: int, limits: KeyLimits, model: str, tokens: int = 0) -> Ticket:
+        """Admit one request of ``key_id`` for ``model`` that may cost ``tokens``
+        (:func:`reservation`), or raise the error that says which limit refused it (see
+        the module docstring)."""
         self.check_expiry(key_id, limits)
         allowed = limits.allowed_models
         if allowed is not None and model not in allowed:
             raise ModelNotAllowed(model)
         held = False
+        reserved = 0
         if limits.counted:
             now = self.clock()
             at = self.calendar.at(now)
             try:
-                refusal = await self.store.acquire(key_id, limits, at, now)
+                refusal = await self.store.acquire(key_id, limits, at, now, tokens)
             except LimitStoreUnavailable as exc:
                 self.store_failures += 1
                 self._warn("limit store unavailable, admitting without the counted limits", exc)
                 refusal = None
             else:
                 held = refusal is None and limits.max_concurrent is not None
+                if refusal is None and limits.budgeted:
+                    reserved = tokens
             if refusal is not None:
                 raise self.refused(refusal, limits, at, now)
         self.open[key_id] += 1
-        return Ticket(self, key_id, limits.weight, held)
+        return Ticket(self, key_id, limits.weight, held, reserved)
 
     def finished(self, ticket: Ticket, tokens: int) -> None:
         key_id = ticket.key_id
@@ -252,8 +335,9 @@ class Limiter:
             self.open[key_id] = left
         else:
             self.open.pop(key_id, None)
-        if ticket.held or tokens:
-            self.store.finish(key_id, ticket.held, tokens, self.calendar.at(self.clock()))
+        if ticket.held or tokens or ticket.reserved:
+            at = self.calendar.at(self.clock())
+            self.store.finish(key_id, ticket.held, tokens, at, ticket.reserved)
 
     def charge(self, key_id: int, tokens: int) -> None:
         """Count ``tokens`` against a key's budgets without a ticket: a request another

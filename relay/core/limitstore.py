@@ -2,7 +2,8 @@
 
 Implements :class:`relay.core.limits.LimitStore` with plain dicts: a few dictionary
 operations per admission, no ``await`` that suspends. Everything is keyed by API
-key id and bounded by the number of keys. Token spend survives a restart only
+key id and bounded by the number of keys (reservations also by the requests in flight,
+each of which releases its own when it ends). Token spend survives a restart only
 through :meth:`MemoryLimitStore.seed`, which the runtime calls once at start with
 the request log's sums for the current day and month.
 """
@@ -35,21 +36,29 @@ class MemoryLimitStore:
     def __init__(self) -> None:
         #: Concurrency slots held, per key (absent: none).
         self.slots: dict[int, int] = {}
+        #: Tokens reserved by requests in flight, per key (absent: none).
+        self.reserved: dict[int, int] = {}
         #: GCRA "theoretical arrival time" per key (Unix time).
         self._tat: dict[int, float] = {}
         self._spend: dict[int, _Spend] = {}
 
     async def acquire(
-        self, key_id: int, limits: KeyLimits, at: Periods, now: float
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float, reserve: int = 0
     ) -> Refusal | None:
-        spend = self._spend.get(key_id)
-        if spend is not None:
-            spend.roll(at)
-            if limits.tokens_per_month is not None and (
-                spend.month_tokens >= limits.tokens_per_month
-            ):
+        budgeted = limits.budgeted
+        reserved = 0
+        if budgeted:
+            # What requests in flight may still cost counts as spent already.
+            reserved = self.reserved.get(key_id, 0)
+            day = month = reserved
+            spend = self._spend.get(key_id)
+            if spend is not None:
+                spend.roll(at)
+                day += spend.day_tokens
+                month += spend.month_tokens
+            if limits.tokens_per_month is not None and month >= limits.tokens_per_month:
                 return Refusal(Limit.MONTH)
-            if limits.tokens_per_day is not None and spend.day_tokens >= limits.tokens_per_day:
+            if limits.tokens_per_day is not None and day >= limits.tokens_per_day:
                 return Refusal(Limit.DAY)
         rate = limits.requests_per_minute
         tat = 0.0
@@ -67,15 +76,23 @@ class MemoryLimitStore:
             self.slots[key_id] = held + 1
         if rate is not None:
             self._tat[key_id] = tat
+        if budgeted and reserve > 0:
+            self.reserved[key_id] = reserved + reserve
         return None
 
-    def finish(self, key_id: int, held: bool, tokens: int, at: Periods) -> None:
+    def finish(self, key_id: int, held: bool, tokens: int, at: Periods, reserved: int = 0) -> None:
         if held:
             left = self.slots.get(key_id, 0) - 1
             if left > 0:
                 self.slots[key_id] = left
             else:
                 self.slots.pop(key_id, None)
+        if reserved:
+            left = self.reserved.get(key_id, 0) - reserved
+            if left > 0:
+                self.reserved[key_id] = left
+            else:
+                self.reserved.pop(key_id, None)
         if tokens:
             self.charge(key_id, tokens, tokens, at)
 

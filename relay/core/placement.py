@@ -46,3 +46,16 @@ class Placement(Protocol):
 
     def worker_gone(self, worker: Worker) -> None:
         """A local worker left: its capacity is no longer offered."""
+
+    def want_model(self, provider: str, model: str, *, scale: bool = False) -> None:
+        """Models on demand (SPEC §19): requests here wait for ``model``, loaded nowhere
+        (``scale``: loaded, but its queue keeps waiting). Have it loaded once, on the
+        worker of any process the cluster chooses; that process is told (see
+        :meth:`relay.core.residency.Residency.cluster_load`)."""
+
+    def load_done(self, provider: str, model: str, worker_id: str, ok: bool) -> None:
+        """A load the cluster chose a local worker for ended (``ok``: it is loaded)."""
+
+    def unload_if_unwanted(self, worker: Worker, model: str) -> None:
+        """``model`` sat idle on a local worker: unload it unless requests for it wait
+        anywhere in the cluster."""

@@ -2,6 +2,11 @@
 free slot for its model takes the slot of an in-flight ``flex`` request that has sent
 nothing to its client yet.
 
+Both are judged by the class they count as now, their ``rank``: a ``flex`` request that
+waited past the aging bound was dispatched as ``default`` (:mod:`relay.core.classqueue`)
+and keeps that rank while it runs, so it is never preempted, neither by a request that
+arrived after it aged (which would pass it) nor by the one whose arrival freed its slot.
+
 That request gets a ``cancel`` (reason ``preempted``; a worker that announced no
 extension hears ``client_disconnect``, which it treats the same) and goes back to the
 front of its class without spending its requeue budget: its client sees nothing but a
@@ -20,7 +25,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from relay.core.classes import FLEX, FLEX_RANK
+from relay.core.classes import FLEX_RANK
 from relay.core.config import RelayConfig
 from relay.core.registry import Registry
 from relay.core.state import RelayRequest, Worker
@@ -67,14 +72,15 @@ class Preemption:
 
     def preemptible(self, workers: Iterable[Worker], model: str) -> RelayRequest | None:
         """The ``flex`` request on ``workers`` that should lose its slot to a request for
-        ``model``, if one may: sent nothing to its client yet, preempted fewer than
-        ``max_preemptions`` times, owned here; the one that started last."""
+        ``model``, if one may: it still counts as ``flex`` (it was not aged into a higher
+        class before it was dispatched), sent nothing to its client yet, preempted fewer
+        than ``max_preemptions`` times, owned here; the one that started last."""
         best: RelayRequest | None = None
         limit = self.config.max_preemptions
         for worker in workers:
             for running in worker.in_flight.values():
                 if (
-                    running.service_class == FLEX
+                    running.rank >= FLEX_RANK
                     and running.model == model
                     and not running.delivered
                     and running.preemptions < limit

@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from relay.core.dispatch import Dispatcher
-from relay.core.registry import next_worker_id, sanitize_models
-from relay.core.state import Completion, RelayRequest, Worker, WorkerLink
+from relay.core.registry import next_worker_id, routable, sanitize_models
+from relay.core.state import Completion, Phase, RelayRequest, Worker, WorkerLink
 from relay.wire import protocol
 from relay.wire.errors import SlowClient, StreamTooLarge, WorkerFailed
 
@@ -41,6 +41,8 @@ class Relay(Dispatcher):
         protocol_version: str | None = None,
         features: Iterable[str] = (),
         refuses: Callable[[RelayRequest], str | None] | None = None,
+        model_states: list[protocol.ModelState] | None = None,
+        model_capacity: int | None = None,
     ) -> tuple[Worker, list[str]]:
         """Register a worker and start routing to it; returns it and the warnings of its
         ``register_ack`` (:meth:`admit_worker` and :meth:`start_worker` in one step)."""
@@ -55,6 +57,8 @@ class Relay(Dispatcher):
             protocol_version=protocol_version,
             features=features,
             refuses=refuses,
+            model_states=model_states,
+            model_capacity=model_capacity,
         )
         self.start_worker(worker, ack)
         return worker, list(ack.warnings)
@@ -72,8 +76,13 @@ class Relay(Dispatcher):
         protocol_version: str | None = None,
         features: Iterable[str] = (),
         refuses: Callable[[RelayRequest], str | None] | None = None,
+        model_states: list[protocol.ModelState] | None = None,
+        model_capacity: int | None = None,
     ) -> tuple[Worker, protocol.RegisterAck]:
         """The worker a ``register`` describes, and the ``register_ack`` it is owed.
+
+        ``model_states`` and ``model_capacity``: its models' states (models on demand,
+        SPEC §19), taken when it announced the ``model_states`` extension.
 
         Nothing is routed to it and nothing is sent yet: in cluster mode the edge first
         makes the worker known to every process (so no process answers 404 for a model
@@ -103,8 +112,10 @@ class Relay(Dispatcher):
             features=frozenset(features) & frozenset(protocol.FEATURES),
             refuses=refuses,
         )
-        worker.model_set = frozenset(worker.models)
         worker.report_load(current_load)
+        if model_states is not None and protocol.MODEL_STATES in worker.features:
+            self.take_states(worker, model_states, model_capacity)
+        worker.model_set = routable(worker)
         ack = protocol.RegisterAck(
             worker_id=worker.id,
             models=list(worker.models),
@@ -131,6 +142,9 @@ class Relay(Dispatcher):
         )
         self._ensure_heartbeat()
         self._offer(worker)
+        if worker.states is not None:
+            self._ensure_residency()
+            self._reconcile()  # what waits for a model it holds gets it loaded
 
     def _acceptable(
         self, provider: str, models: list[str], cap: int
@@ -157,6 +171,8 @@ class Relay(Dispatcher):
     def _take_chunk(
         self, worker: Worker, request: RelayRequest, data: bytes, text: str | None
     ) -> None:
+        if request.detached:
+            return  # its client left after the last event: these bytes reach nobody
         size = len(data)
         request.streamed_bytes += size
         if request.streamed_bytes > self.config.max_stream_bytes:
@@ -226,6 +242,7 @@ class Relay(Dispatcher):
             return
         request.worker = None
         worker.requests_served += 1
+        self._used(worker, request.model, self.loop.time())
         if not 200 <= message.status_code <= 599:
             # 1xx would let a worker write a second response onto the client's
             # connection (response splitting); only final statuses are relayed.
@@ -327,6 +344,12 @@ class Relay(Dispatcher):
         self._offer(worker)
         return warnings
 
+    def on_model_states(self, worker: Worker, message: protocol.ModelStates) -> None:
+        """Every model's state now (``model_states``, models on demand, SPEC §19)."""
+        if protocol.MODEL_STATES not in worker.features:
+            return
+        self.take_states(worker, message.states, message.model_capacity, message.max_concurrent)
+
     def _offer(self, worker: Worker) -> None:
         """A worker arrived or changed: let it take queued work (here, or anywhere)."""
         if self.placement is not None:
@@ -376,6 +399,42 @@ class Relay(Dispatcher):
             worker.name,
             extra={"request_id": request_id},
         )
+
+    # ------------------------------------------------------------------ clients
+
+    def detach(self, request: RelayRequest) -> None:
+        """The client of a stream left after the stream's last event reached it (the edge
+        saw it go by, :class:`relay.wire.sse.StreamEnd`): it cancelled nothing.
+
+        The backend generates nothing more, and the worker's completion, with the usage,
+        is on its way: the request stays in flight, its worker not told, until that
+        completion ends it as usual (``ok``, its tokens charged). If the completion has
+        not come within ``stream_end_grace`` seconds, the request is cancelled as a client
+        disconnect; its deadline stands if it comes first. Idempotent; an ended request
+        is left alone, and one not in flight is cancelled.
+        """
+        if request.phase is not Phase.ASSIGNED:
+            self.cancel(request, "client_disconnect")
+            return
+        if request.detached:
+            return
+        request.detached = True
+        self.stats.left_after_end += 1
+        grace_ends = self.loop.time() + self.config.stream_end_grace
+        if grace_ends < request.deadline:
+            if request.timer is not None:
+                request.timer.cancel()
+            request.timer = self.loop.call_at(grace_ends, self._detached_too_long, request)
+
+    def _detached_too_long(self, request: RelayRequest) -> None:
+        request.timer = None
+        logger.info(
+            "no completion for %s within %gs of its client leaving after the end; cancelling it",
+            request.id,
+            self.config.stream_end_grace,
+            extra={"request_id": request.id},
+        )
+        self.cancel(request, "client_disconnect")
 
     # ------------------------------------------------------------------ operations
 

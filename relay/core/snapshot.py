@@ -35,7 +35,42 @@ def describe_worker(relay: Relay, worker: Worker) -> dict[str, Any]:
         "requests_served": worker.requests_served,
         "connected_secs": round(now - worker.connected_at, 3),
         "last_pong_secs_ago": round(now - worker.last_pong, 3),
+        "model_capacity": worker.model_capacity,
+        "model_states": model_states(worker, now),
     }
+
+
+def model_states(worker: Worker, now: float) -> list[dict[str, Any]] | None:
+    """Models on demand (SPEC §19): each of ``worker``'s models with its state, the loads
+    and unloads the relay asked for, their times, and the requests that waited for a
+    load; None for a worker without the ``model_states`` extension."""
+    if worker.states is None:
+        return None
+    out = []
+    for model in worker.models:
+        counts = worker.model_counts.get(model)
+        used = worker.used.get(model)
+        out.append(
+            {
+                "model": model,
+                "state": worker.states.get(model, ""),
+                "loads": counts.loads if counts else 0,
+                "load_failures": counts.load_failures if counts else 0,
+                "unloads": counts.unloads if counts else 0,
+                "load_secs_total": round(counts.load_secs, 3) if counts else 0.0,
+                "last_load_secs": (
+                    None
+                    if counts is None or counts.last_load_secs is None
+                    else round(counts.last_load_secs, 3)
+                ),
+                "waited_for_load": counts.waited if counts else 0,
+                "idle_secs": None if used is None else round(now - used, 3),
+                "pending": sorted(
+                    op.kind for op in worker.ops.values() if op.model == model or op.then == model
+                ),
+            }
+        )
+    return out
 
 
 def workers(relay: Relay) -> list[dict[str, Any]]:
@@ -73,6 +108,13 @@ def stats(relay: Relay) -> dict[str, Any]:
         },
         "requeues": s.requeues,
         "preemptions": s.preemptions,
+        "models_on_demand": {
+            "loads": s.model_loads,
+            "load_failures": s.model_load_failures,
+            "unloads": s.model_unloads,
+            "requests_waited_for_load": s.model_load_waits,
+            "loading": sorted(f"{p}/{m}" for p, m in relay.loading()),
+        },
         "routing": relay.router.describe(),
         "queue_by_class": _by_class(relay),
         "cancels": dict(sorted(s.cancels.items())),
@@ -83,6 +125,7 @@ def stats(relay: Relay) -> dict[str, Any]:
                 1 for w in relay.registry.workers.values() for r in w.in_flight.values() if r.paused
             ),
             "pauses": s.pauses,
+            "left_after_end": s.left_after_end,
         },
     }
 

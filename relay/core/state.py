@@ -24,7 +24,7 @@ import asyncio
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, Literal, Protocol
 
 from relay.core.stats import RequestRecord
 from relay.wire.errors import Flavor, RelayError
@@ -68,6 +68,7 @@ class RelayRequest:
         "_waiter",
         "affinity",
         "assigned_at",
+        "awaits_load",
         "body",
         "buffer",
         "cluster_seq",
@@ -75,6 +76,7 @@ class RelayRequest:
         "created_wall",
         "deadline",
         "delivered",
+        "detached",
         "endpoint_path",
         "enqueued_at",
         "finished_at",
@@ -161,6 +163,9 @@ class RelayRequest:
         #: True once any byte of the response was handed to the client side; from
         #: then on the request can never be requeued (it would duplicate output).
         self.delivered = False
+        #: True once its client left after the stream's last event reached it: kept in
+        #: flight for its completion (:meth:`relay.core.relay.Relay.detach`).
+        self.detached = False
         self.streamed_bytes = 0
         #: Streamed bytes pushed to the edge and not yet written to the client.
         self.pending = 0
@@ -199,6 +204,9 @@ class RelayRequest:
         self.why = ""
         #: Cache-aware routing (SPEC §14): its key and prompt blocks; None: not routed by them.
         self.affinity: Affinity | None = None
+        #: Models on demand (SPEC §19): it waited in the queue for its model to be
+        #: loaded (its queue deadline is then MODEL_LOAD_TIMEOUT_SECS's).
+        self.awaits_load = False
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -263,6 +271,38 @@ class RelayRequest:
         return f"<RelayRequest {self.id} {self.model} {self.phase.name}>"
 
 
+@dataclass(slots=True)
+class ModelOp:
+    """One ``model_load`` / ``model_unload`` sent to a worker and not answered yet."""
+
+    op_id: str
+    kind: Literal["load", "unload"]
+    model: str
+    started: float
+    #: Why: ``demand`` (a request waits), ``scale_out``, ``evict`` (room for ``then``),
+    #: ``idle``.
+    reason: str
+    #: An eviction's purpose: the model to load once this unload succeeded.
+    then: str | None = None
+    #: A load whose model was reported loaded before its answer came (counted then).
+    counted: bool = False
+    #: Cluster mode: a load the cluster chose this worker for (its end is reported).
+    cluster: bool = False
+
+
+@dataclass(slots=True)
+class ModelCounts:
+    """One worker's loads and unloads of one model (``/admin/workers``, ``/metrics``)."""
+
+    loads: int = 0
+    load_failures: int = 0
+    unloads: int = 0
+    load_secs: float = 0.0
+    last_load_secs: float | None = None
+    #: Requests that waited for a load and were then served here.
+    waited: int = 0
+
+
 class WorkerLink(Protocol):
     """The transport the core uses to reach one worker; never blocks the caller."""
 
@@ -299,6 +339,10 @@ class Worker:
     #: Its provider's ``eviction`` when it was admitted (see
     #: :class:`~relay.core.config.ProviderPolicy`); None: not tracked.
     eviction: int | None = None
+    #: The id of its own credential when it joined with a token (SPEC §22); None when
+    #: it connected with its provider's shared secret. Rotating that secret never
+    #: closes a worker with its own credential: it is revoked alone.
+    identity: int | None = None
     draining: bool = False
     #: Why the worker withdrew its models: its backend cannot be reached (it said so in
     #: ``register`` or ``models_update``); None while its backend answers.
@@ -320,6 +364,20 @@ class Worker:
     #: Selection and the queue skip a worker for the requests it refuses, so it must
     #: be cheap and give the same answer every time for the same request.
     refuses: Callable[[RelayRequest], str | None] | None = None
+    #: Models on demand (SPEC §19, the ``model_states`` extension): each acked model's
+    #: state on its backend (``loaded``, ``loading``, ``loadable``, ``sleeping``); None
+    #: for a worker without the extension, whose every acked model counts as loaded.
+    #: Requests are routed to it only for the models it has loaded (``model_set``).
+    states: dict[str, str] | None = None
+    #: How many models its backend holds at once (None: no known bound).
+    model_capacity: int | None = None
+    #: model -> loop time it last took or finished a request (the least recently used
+    #: model is the one unloaded to make room).
+    used: dict[str, float] = field(default_factory=dict)
+    #: The model operations sent to it and not answered yet, by op id.
+    ops: dict[str, ModelOp] = field(default_factory=dict)
+    #: model -> its loads, unloads and load times (shown per worker and model).
+    model_counts: dict[str, ModelCounts] = field(default_factory=dict)
 
     @property
     def load(self) -> int:

@@ -113,8 +113,17 @@ class RelayStats:
         self.dropped_frames = 0
         #: Times a worker was asked to pause a stream for a slow client.
         self.pauses = 0
+        #: Streams whose client left after their last event reached it: kept in flight
+        #: for their completion rather than cancelled.
+        self.left_after_end = 0
         #: Times a flex request lost its slot to a request of a higher class (SPEC §15).
         self.preemptions = 0
+        #: Models on demand (SPEC §19): loads (and failed ones) and unloads the relay
+        #: asked for, and requests that waited for a load.
+        self.model_loads = 0
+        self.model_load_failures = 0
+        self.model_unloads = 0
+        self.model_load_waits = 0
         self.recent: deque[RequestRecord] = deque(maxlen=recent)
         self._models: set[str] = set()
         self._max_models = max_models

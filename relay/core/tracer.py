@@ -1,9 +1,13 @@
 """What the core tells a tracer about a request (SPEC §17); no tracing library here.
 
-:attr:`relay.core.dispatch.Dispatcher.tracer` is None unless tracing is on (the server
-sets it to :class:`relay.server.tracing.Tracing`), so with tracing off every hook costs
-one ``is None`` test. A request the edge traces carries its trace state in
+:attr:`relay.core.dispatch.Dispatcher.tracer` is a :class:`NullTracer` unless tracing
+is on (the server then sets :class:`relay.server.tracing.Tracing`), so the request path
+calls its hooks unconditionally and with tracing off each costs one method call. A
+request the edge traces carries its trace state in
 :attr:`relay.core.state.RelayRequest.trace`, handed to ``submit``.
+
+A tracer's hooks never raise: a failure to record a span must not change what happens
+to the request.
 """
 
 from __future__ import annotations
@@ -24,3 +28,15 @@ class RequestTracer(Protocol):
     def finished(self, request: RelayRequest) -> None:
         """``request`` ended (status, outcome, tokens and times are final)."""
         ...
+
+
+class NullTracer:
+    """Tracing off: nothing recorded, and a worker gets the request's own headers."""
+
+    __slots__ = ()
+
+    def dispatched(self, request: RelayRequest, worker: Worker, now: float) -> dict[str, str]:
+        return request.headers
+
+    def finished(self, request: RelayRequest) -> None:
+        pass

@@ -74,14 +74,23 @@ def sources() -> dict[str, Path]:
     """Archive name -> source file: ``__main__.py`` and the shipped ``relay`` packages."""
     if not WORKER.is_file():
         raise BundleError(f"{WORKER} is missing")
-    found: dict[str, Path] = {
-        "__main__.py": WORKER,
-        "relay/__init__.py": ROOT / "relay/__init__.py",
-    }
+    return checked({"__main__.py": WORKER, **package_sources()})
+
+
+def package_sources() -> dict[str, Path]:
+    """Archive name -> source file of the shipped ``relay`` modules (what the worker's
+    wheel holds, :mod:`relay.pages.wheel`), not yet checked."""
+    found: dict[str, Path] = {"relay/__init__.py": ROOT / "relay/__init__.py"}
     for package in SHIPPED_PACKAGES:
         folder = ROOT.joinpath(*package.split("."))
         for path in sorted(folder.rglob("*.py")):
             found[path.relative_to(ROOT).as_posix()] = path
+    return found
+
+
+def checked(found: dict[str, Path]) -> dict[str, Path]:
+    """``found``, once none of its files imports Django or a ``relay`` module the worker
+    does not ship (raises :class:`BundleError` naming the first that does)."""
     for arcname, path in found.items():
         relay, other = _imports(path.read_text(encoding="utf-8"), str(path))
         if other & _FORBIDDEN:

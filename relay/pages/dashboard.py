@@ -76,14 +76,40 @@ async def live_snapshot(rt: runtime.Runtime) -> dict[str, Any]:
     document = snapshot.dashboard(
         rt.relay, workers_list=await rt.workers(), keys_list=keys_list, key_name=rt.key_name
     )
+    document["recent"] = recent_by_end(document["recent"])
     # Batches (SPEC §16): those with work left and the last few ended, as of the
     # engine's last look at the database (every process's).
-    document["batches"] = rt.batches.batches
+    document["batches"] = [{**row, "api_status": api_status(row)} for row in rt.batches.batches]
     if rt.placement is not None:
         # Cluster mode: the queue that matters is the shared one (as of the last second).
         document["stats"]["queue_depth"] = rt.placement.queue_depth
         document["stats"]["cluster"] = rt.placement.describe()
     return document
+
+
+def recent_by_end(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recent requests with when each ended (``ended_at``, epoch seconds), latest
+    first: the list holds them as they finished, and a long request that arrived
+    before a short one ends after it, so the time shown is the end's."""
+    ended = [{**row, "ended_at": round(row["at"] + row["duration_ms"] / 1000, 3)} for row in rows]
+    ended.sort(key=lambda row: row["ended_at"], reverse=True)
+    return ended
+
+
+#: Batch statuses after which nothing runs (the Batch API's terminal states).
+ENDED_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+def api_status(row: dict[str, Any]) -> str:
+    """A batch's status as its own API says it: the Batch API's as stored; Message
+    Batches' ``in_progress``, ``canceling`` or ``ended`` (as ``GET
+    /v1/messages/batches/<id>`` answers, :func:`relay.server.batches.shapes.anthropic_status`)."""
+    status = str(row["status"])
+    if row.get("api") != "anthropic":
+        return status
+    if status == "cancelling":
+        return "canceling"
+    return "ended" if status in ENDED_STATUSES else "in_progress"
 
 
 @staff_member_required

@@ -210,14 +210,9 @@ class WorkerSetup:
 
     def arguments(self) -> list[str]:
         """Flag, value, flag, value, … — everything but the secret."""
-        args = [
-            "--proxy-url",
-            self.public_url,
-            "--provider",
-            self.provider,
-            "--backend-url",
-            self.backend_url,
-        ]
+        args = ["--proxy-url", self.public_url, "--provider", self.provider]
+        if self.backend_url:  # else the worker finds it on the box's usual ports
+            args += ["--backend-url", self.backend_url]
         if self.models:
             args += ["--models", ",".join(self.models)]
         if self.max_concurrent:
@@ -230,8 +225,9 @@ class WorkerSetup:
             ("PROXY_URL", self.public_url),
             ("PROVIDER_NAME", self.provider),
             ("WORKER_SECRET", self.secret),
-            ("BACKEND_URL", self.backend_url),
         ]
+        if self.backend_url:
+            env.append(("BACKEND_URL", self.backend_url))
         if self.models:
             env.append(("MODELS", ",".join(self.models)))
         if self.max_concurrent:
@@ -329,3 +325,63 @@ def powershell_test(public_url: str, model: str, *, api_key: bool = False) -> st
         parts.append('-Headers @{Authorization = "Bearer $env:MODELRELAY_API_KEY"}')
     parts.append(f"-Body {ps_quote(body)}")
     return " ".join(parts)
+
+
+# --- joining with a token (SPEC §22) -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JoinSetup:
+    """What a box that joins with a token is told: two commands, no shared secret."""
+
+    public_url: str
+    token: str
+    wheel: str  # the wheel's file name, served at /setup/<wheel>
+    backend_url: str = ""  # empty: the worker finds the backend itself
+    models: tuple[str, ...] = ()
+    max_concurrent: int | None = None
+
+    @property
+    def wheel_url(self) -> str:
+        return f"{self.public_url}/setup/{self.wheel}"
+
+    def arguments(self) -> list[str]:
+        """Flag, value, flag, value, …: the relay and the token, then what was asked for."""
+        args = ["--proxy-url", self.public_url, "--join-token", self.token]
+        if self.backend_url:
+            args += ["--backend-url", self.backend_url]
+        if self.models:
+            args += ["--models", ",".join(self.models)]
+        if self.max_concurrent:
+            args += ["--max-concurrent", str(self.max_concurrent)]
+        return args
+
+
+def join_commands(platform: str, setup: JoinSetup) -> WorkerCommand:
+    """The two commands for a box that joins: install the worker's package from this
+    relay into a virtual environment, then run it once with the join token (it keeps
+    the credential it gets for that token; the same command runs it again later)."""
+    q: Callable[[str], str]
+    if platform == "windows":
+        q = ps_quote
+        folder = rf".\{VENV}\Scripts"
+        install = (
+            f"py -m venv {VENV}",
+            rf"{folder}\python.exe -m pip install {q(setup.wheel_url)}",
+        )
+        program = rf"{folder}\modelrelay-worker.exe"
+        shell = "powershell"
+    else:
+        q = shlex.quote
+        install = (f"python3 -m venv {VENV}", f"{VENV}/bin/pip install {q(setup.wheel_url)}")
+        program = f"{VENV}/bin/modelrelay-worker"
+        shell = "sh"
+    args = setup.arguments()
+    run = " ".join([program, *(q(arg) for arg in args)])
+    return WorkerCommand(platform, PLATFORMS[platform], shell, install, run)
+
+
+def install_line(command: WorkerCommand) -> str:
+    """The install lines as one paste: ``&&`` in sh, one per line in PowerShell (5.1 has
+    no ``&&``)."""
+    return (" && " if command.shell == "sh" else "\n").join(command.install)

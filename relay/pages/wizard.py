@@ -2,15 +2,21 @@
 
 1. ``/setup``: platform and backend (public);
 2. ``/setup/backend``: how to start that backend (public);
-3. ``/setup/worker``: staff choose a new provider (needs the permission to add
-   providers) or rotate an existing one's secret (to change them), optionally
-   disconnecting the workers already connected with the old one; the secret is created
-   here, shown once (never stored in clear, page not cached) together with the worker's
-   install-and-run command for the platform and a systemd env file;
+3. ``/setup/worker``: staff mint a join token for an existing provider (needs the
+   permission to add join tokens; SPEC §22), shown once with the two commands the box
+   needs (``pip install`` of the worker's wheel from this relay, then
+   ``modelrelay-worker --proxy-url … --join-token …``); or choose a new provider
+   (needs the permission to add providers) or rotate an existing one's secret (to
+   change them), optionally disconnecting the workers already connected with the old
+   one; the secret is created here, shown once (never stored in clear, page not cached)
+   together with the worker's install-and-run command for the platform and a systemd
+   env file;
 4. the same page follows ``/setup/status`` until a worker of that provider registers
    after the secret was issued, then shows a ``curl`` test for its first model.
 
-``/setup/worker.pyz`` serves the worker as a zipapp (:mod:`relay.pages.bundle`).
+``/setup/worker.pyz`` serves the worker as a zipapp (:mod:`relay.pages.bundle`),
+``/setup/modelrelay_worker-<version>-py3-none-any.whl`` as a wheel
+(:mod:`relay.pages.wheel`).
 """
 
 from __future__ import annotations
@@ -24,21 +30,32 @@ from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db import transaction
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseRedirect,
+    JsonResponse,
+)
 from django.shortcuts import render
 from django.views.decorators.cache import never_cache
 
 from relay.core import snapshot
-from relay.pages import bundle, recipes
+from relay.pages import bundle, recipes, wheel
 from relay.pages.dashboard import forbidden, staff_user
 from relay.server import runtime
+from workers_app.joining import mint_token
 from workers_app.models import Provider, split_models, validate_provider_name
 from workers_app.services import rotate_secret
 
 STEPS = ("Platform & backend", "Start the backend", "Run the worker", "Confirm")
-#: Creating a provider (mode "new") and rotating a secret (mode "rotate") need what the
-#: Django admin would ask for the same change.
-MODE_PERMISSIONS = {"new": "workers_app.add_provider", "rotate": "workers_app.change_provider"}
+#: Minting a join token (mode "join"), creating a provider (mode "new") and rotating a
+#: secret (mode "rotate") need what the Django admin would ask for the same change.
+MODE_PERMISSIONS = {
+    "join": "workers_app.add_jointoken",
+    "new": "workers_app.add_provider",
+    "rotate": "workers_app.change_provider",
+}
 
 
 def public_url(request: HttpRequest) -> str:
@@ -103,8 +120,12 @@ class WorkerForm(forms.Form):
     platform = forms.ChoiceField(choices=list(recipes.PLATFORMS.items()))
     backend = forms.ChoiceField(choices=[(b.key, b.label) for b in recipes.BACKENDS.values()])
     mode = forms.ChoiceField(
-        choices=[("new", "Create a new provider"), ("rotate", "Rotate an existing provider")],
-        initial="new",
+        choices=[
+            ("join", "Join with a token"),
+            ("new", "Create a new provider"),
+            ("rotate", "Rotate an existing provider"),
+        ],
+        initial="join",
         widget=forms.RadioSelect,
     )
     name = forms.CharField(required=False, max_length=64, strip=True)
@@ -112,12 +133,14 @@ class WorkerForm(forms.Form):
         queryset=Provider.objects.all(), required=False, to_field_name="name"
     )
     disconnect = forms.BooleanField(required=False)
-    backend_url = forms.CharField(max_length=500)
+    #: Empty: the worker finds its backend on the box's usual ports.
+    backend_url = forms.CharField(max_length=500, required=False)
     models = forms.CharField(required=False, max_length=2000)
     max_concurrent = forms.IntegerField(required=False, min_value=1, max_value=10_000)
 
     def clean_backend_url(self) -> str:
-        return _http_url(self.cleaned_data["backend_url"])
+        value = self.cleaned_data.get("backend_url") or ""
+        return _http_url(value) if value.strip() else ""
 
     def clean_models(self) -> list[str]:
         return split_models(self.cleaned_data.get("models") or "")
@@ -141,6 +164,8 @@ class WorkerForm(forms.Form):
                         )
         elif data.get("mode") == "rotate" and data.get("provider") is None:
             self.add_error("provider", "Choose the provider whose secret to rotate.")
+        elif data.get("mode") == "join" and data.get("provider") is None:
+            self.add_error("provider", "Choose the provider the worker joins.")
         return data
 
 
@@ -176,6 +201,8 @@ def worker(request: HttpRequest) -> HttpResponse:
             raise PermissionDenied("you may not do this to providers")
         form = WorkerForm(request.POST)
         if form.is_valid():
+            if form.cleaned_data["mode"] == "join":
+                return _joining(request, form.cleaned_data)
             return _issued(request, form.cleaned_data)
     else:
         choice = _choice(request) or ("linux", "llama")
@@ -184,19 +211,26 @@ def worker(request: HttpRequest) -> HttpResponse:
             initial={
                 "platform": choice[0],
                 "backend": choice[1],
-                "mode": "new" if "new" in allowed else "rotate",
-                "backend_url": recipe.backend_url,
+                "mode": next(m for m in MODE_PERMISSIONS if m in allowed),
+                "provider": settings.PROVIDER_NAME,
                 "max_concurrent": recipe.max_concurrent,
             }
         )
     platform = form["platform"].value() or "linux"
     may_rotate = "rotate" in allowed
+    may_join = "join" in allowed
     context = _context(
         3,
         form=form,
+        may_join=may_join,
         may_create="new" in allowed,
         may_rotate=may_rotate,
-        providers=list(Provider.objects.values_list("name", flat=True)) if may_rotate else [],
+        providers=list(Provider.objects.values_list("name", flat=True))
+        if may_rotate or may_join
+        else [],
+        backend_placeholder=recipes.BACKENDS.get(
+            str(form["backend"].value()), recipes.BACKENDS["llama"]
+        ).backend_url,
         platform_label=recipes.PLATFORMS.get(str(platform), ""),
         back_query=urlencode(
             {"platform": form["platform"].value(), "backend": form["backend"].value()}
@@ -231,10 +265,45 @@ def _issued(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
         setup=setup,
         platform=data["platform"],
         commands=commands,
+        wheel_url=f"{setup.public_url}/setup/{wheel.wheel_filename()}",
         status_url="/setup/status?"
         + urlencode({"provider": provider.name, "since": f"{issued_at:.3f}"}),
     )
     return render(request, "relay/setup_ready.html", context)
+
+
+def _joining(request: HttpRequest, data: dict[str, Any]) -> HttpResponse:
+    """Step 3, joining: a fresh join token (single use, JOIN_TOKEN_TTL_SECS) and the two
+    commands; step 4 follows the same way."""
+    issued_at = time.time()
+    provider: Provider = data["provider"]
+    made = mint_token(provider, created_by=f"setup: {request.user.get_username()}")
+    setup = recipes.JoinSetup(
+        public_url=public_url(request),
+        token=made.secret,
+        wheel=wheel.wheel_filename(),
+        backend_url=data["backend_url"],
+        models=tuple(data["models"]),
+        max_concurrent=data.get("max_concurrent"),
+    )
+    commands = [
+        (command, recipes.install_line(command))
+        for command in (recipes.join_commands(p, setup) for p in recipes.PLATFORMS)
+    ]
+    context = _context(
+        3,
+        provider=provider,
+        join=True,
+        token=made.token,
+        secret=made.secret,
+        setup=setup,
+        platform=data["platform"],
+        commands=commands,
+        bundle_url=f"{setup.public_url}/setup/worker.pyz",
+        status_url="/setup/status?"
+        + urlencode({"provider": provider.name, "since": f"{issued_at:.3f}"}),
+    )
+    return render(request, "relay/setup_join.html", context)
 
 
 async def status(request: HttpRequest) -> HttpResponse:
@@ -267,6 +336,23 @@ def worker_pyz(request: HttpRequest) -> HttpResponse:
         content_type="application/octet-stream",
         headers={
             "Content-Disposition": 'attachment; filename="worker.pyz"',
+            "ETag": f'"{built.sha256[:32]}"',
+            "Cache-Control": "no-cache",
+        },
+    )
+
+
+def worker_wheel(request: HttpRequest, filename: str) -> HttpResponse:
+    """``/setup/modelrelay_worker-<version>-py3-none-any.whl``: the worker's wheel (public;
+    it holds no secret). Another file name (an older version) is a 404."""
+    built = wheel.worker_wheel()
+    if filename != built.filename:
+        raise Http404(f"this relay serves {built.filename}")
+    return HttpResponse(
+        built.data,
+        content_type="application/octet-stream",
+        headers={
+            "Content-Disposition": f'attachment; filename="{built.filename}"',
             "ETag": f'"{built.sha256[:32]}"',
             "Cache-Control": "no-cache",
         },

@@ -78,6 +78,12 @@ class RelayCollector(Collector):
             cancels.add_metric([reason], count)
         yield cancels
         yield CounterMetricFamily(
+            "modelrelay_streams_left_after_end",
+            "Streams whose client left after their last event (data: [DONE], message_stop, "
+            "response.completed): not cancelled, finished when their completion came.",
+            value=stats.left_after_end,
+        )
+        yield CounterMetricFamily(
             "modelrelay_requeues",
             "Requests put back in the queue after losing their worker.",
             value=stats.requeues,
@@ -178,6 +184,7 @@ class RelayCollector(Collector):
                 value=1 if state["state"] == "ok" else 0,
             )
         yield from routing_metrics(relay.router)
+        yield from residency_metrics(relay)
         if self.key_rows is not None:
             yield from key_metrics(self.key_rows())
         if self.batch_counts is not None:
@@ -225,6 +232,50 @@ def routing_metrics(router: Router) -> Iterator[Metric]:
         "Prompt blocks and explicit keys the routing index remembers (bounded).",
         value=router.entries(),
     )
+
+
+def residency_metrics(relay: Relay) -> Iterator[Metric]:
+    """Models on demand (SPEC §19), per worker and model, for the workers connected here
+    that report their models' states."""
+    labels = ["provider", "worker", "worker_id", "model"]
+    state = GaugeMetricFamily(
+        "modelrelay_worker_model_state",
+        "1 for the state each model is in on a worker (loaded, loading, loadable, sleeping).",
+        labels=[*labels, "state"],
+    )
+    loads = CounterMetricFamily(
+        "modelrelay_model_loads", "Model loads the relay asked a worker for.", labels=labels
+    )
+    failures = CounterMetricFamily(
+        "modelrelay_model_load_failures",
+        "Model loads that failed or got no answer in time.",
+        labels=labels,
+    )
+    unloads = CounterMetricFamily(
+        "modelrelay_model_unloads", "Model unloads the relay asked a worker for.", labels=labels
+    )
+    seconds = CounterMetricFamily(
+        "modelrelay_model_load_seconds", "Time spent loading models.", labels=labels
+    )
+    waited = CounterMetricFamily(
+        "modelrelay_model_load_waited_requests",
+        "Requests that waited for their model to be loaded, by the worker that served them.",
+        labels=labels,
+    )
+    for worker in sorted(relay.registry.workers.values(), key=lambda w: w.id):
+        if worker.states is None:
+            continue
+        for model in worker.models:
+            values = [worker.provider, worker.name, worker.id, model]
+            state.add_metric([*values, worker.states.get(model, "")], 1)
+            counts = worker.model_counts.get(model)
+            if counts is not None:
+                loads.add_metric(values, counts.loads)
+                failures.add_metric(values, counts.load_failures)
+                unloads.add_metric(values, counts.unloads)
+                seconds.add_metric(values, counts.load_secs)
+                waited.add_metric(values, counts.waited)
+    yield from (state, loads, failures, unloads, seconds, waited)
 
 
 def batch_metrics(counts: dict[str, Any]) -> Iterator[Metric]:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -28,6 +29,7 @@ from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server import store
+from relay.server.accesslog import AccessLog
 from relay.server.batches.engine import BatchEngine
 from relay.server.bookkeeper import Bookkeeper, in_thread
 from relay.server.cluster.control import TROUBLE as CLUSTER_TROUBLE
@@ -38,8 +40,9 @@ from relay.server.cluster.proxy import cluster_token
 from relay.server.cluster.redissource import RedisSource
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
+from relay.server.identities import Identities
 from relay.server.metrics import RelayMetrics
-from relay.server.tracing import Tracing
+from relay.server.tracing import EdgeTracer
 from relay.server.tracing import from_environment as tracing_from_environment
 from relay.wire.errors import Flavor
 
@@ -70,6 +73,7 @@ def relay_config() -> RelayConfig:
         stream_buffer_bytes=s.STREAM_BUFFER_BYTES,
         stream_buffer_total_bytes=s.STREAM_BUFFER_TOTAL_BYTES,
         stall_timeout=s.STALL_TIMEOUT_SECS,
+        stream_end_grace=s.STREAM_END_GRACE_SECS,
         aliases=dict(s.MODEL_ALIASES),
         model_memory=s.MODEL_MEMORY_SECS,
         drain_timeout=s.DRAIN_TIMEOUT_SECS,
@@ -87,8 +91,12 @@ def relay_config() -> RelayConfig:
             min_match=s.AFFINITY_MIN_MATCH,
             cluster_ttl=s.AFFINITY_TTL_SECS,
             session_header=s.AFFINITY_SESSION_HEADER,
+            share_across_keys=s.AFFINITY_SHARE_ACROSS_KEYS,
         ),
         non_generating_per_worker=s.NON_GENERATING_PER_WORKER,
+        model_load_timeout=s.MODEL_LOAD_TIMEOUT_SECS,
+        model_scale_out_wait=s.MODEL_SCALE_OUT_WAIT_SECS,
+        model_idle_unload=s.MODEL_IDLE_UNLOAD_SECS,
     )
 
 
@@ -103,6 +111,10 @@ class Runtime:
             block=settings.AUTH_BLOCK_SECS,
         )
         self.trusted_proxies: list[Network] = parse_networks(settings.TRUSTED_PROXIES)
+        #: Workers with a credential of their own connected here (SPEC §22).
+        self.identities = Identities(
+            self.relay.instance, settings.SECRET_PEPPER, settings.WORKER_LEASE_SECS
+        )
         self.cors = CorsPolicy(settings.CORS_ALLOWED_ORIGINS)
         self.require_keys: bool = settings.MODELRELAY_REQUIRE_API_KEYS
         self.metrics_token: str = settings.MODELRELAY_METRICS_TOKEN
@@ -144,8 +156,13 @@ class Runtime:
                 self.batches.observe,
             ]
         )
-        #: OpenTelemetry traces (SPEC §17): None unless OTEL_* turns them on.
-        self.tracing: Tracing | None = tracing_from_environment()
+        if settings.ACCESS_LOG:
+            access = AccessLog(self.keys, json_lines=settings.LOG_FORMAT == "json")
+            self.relay.observers.append(access.observe)
+        #: OpenTelemetry traces (SPEC §17): a NullTracing unless OTEL_* turns them on.
+        self.tracing: EdgeTracer = tracing_from_environment(
+            clock=loop.time, keys=self.keys, trust_incoming=settings.OTEL_TRUST_INCOMING
+        )
         self.relay.tracer = self.tracing
         #: The latest metrics sample of each worker connected here (SPEC §17).
         self.federation = Federation(
@@ -223,9 +240,13 @@ class Runtime:
         limits = self.key_limits(key_id)
         return classes.resolve(wanted, limits.default_class, limits.max_class)
 
-    async def admit(self, key_id: int, model: str) -> Ticket:
-        """Check the key's limits for one request (SPEC §13); raises the error to send."""
-        return await self.limiter.admit(key_id, self.key_limits(key_id), model)
+    async def admit(self, key_id: int, model: str, cost: Callable[[], int] | None = None) -> Ticket:
+        """Check the key's limits for one request (SPEC §13); raises the error to send.
+        ``cost()`` says what it may cost (:func:`relay.core.limits.reservation`): called,
+        and reserved, only when the key has a token budget."""
+        limits = self.key_limits(key_id)
+        tokens = cost() if cost is not None and limits.budgeted else 0
+        return await self.limiter.admit(key_id, limits, model, tokens)
 
     def _charge_placed(self, record: RequestRecord) -> None:
         """Request observer (cluster mode): a request another process admitted ran on
@@ -309,6 +330,10 @@ class Runtime:
         as_of = self.loop.time()
         policies = await in_thread(store.load_providers, self.config)
         self.relay.sync_providers(policies, as_of=as_of)
+        try:
+            await self.identities.reconcile(self.loop.time())
+        except Exception:
+            logger.exception("checking the joined workers connected here failed")
         if self.require_keys:
             version, keys = await in_thread(store.load_keys, self._keys_version)
             if keys is not None:
@@ -371,8 +396,7 @@ class Runtime:
         grace = max(0.0, grace - (self.loop.time() - started))
         await self.relay.shutdown(grace)
         await self.bookkeeper.flush()
-        if self.tracing is not None:
-            await asyncio.to_thread(self.tracing.shutdown)
+        await self.tracing.aclose()
         if self.sockets > 0:
             try:
                 async with asyncio.timeout(5):

@@ -1,11 +1,15 @@
 """OpenTelemetry traces of relayed requests (SPEC §17), when ``OTEL_*`` asks for them.
 
-:func:`from_environment` returns None unless the environment turns tracing on
-(:mod:`relay.wire.telemetry`); the runtime then leaves ``Relay.tracer`` None and the
-edges skip every call here, so with tracing off no OpenTelemetry module is loaded
-and a request pays one ``is None`` test per hook.
+:func:`from_environment` returns :class:`NullTracing` unless the environment turns
+tracing on (:mod:`relay.wire.telemetry`): the edges and the core call every hook
+unconditionally, and with tracing off each is a method call that does nothing, with
+no OpenTelemetry module loaded.
 
-One request, one trace, continuing the client's ``traceparent`` when it sent one:
+One request, one trace, continuing the client's ``traceparent`` when it sent one and
+``OTEL_TRUST_INCOMING`` is true (the default: the client's context then decides whether
+the request is recorded, and its ``tracestate`` travels into the spans and on to the
+backend); with it false every request starts a new trace at the edge and the client's
+context is ignored:
 
 - a root span ``POST /v1/...`` (kind server) from arrival to the last byte, with the
   request id, model, provider, API key *name* (never the secret), priority class,
@@ -28,35 +32,100 @@ its own (``placed``) and its own dispatch to the worker.
 
 Spans other than the root and the dispatch are recorded when the request ends, with
 the times the core noted (its loop clock, converted to wall time): no extra work on
-the request path while it runs. Export happens in the SDK's batch thread.
+the request path while it runs. Export happens in the SDK's batch thread. A request
+the sampler leaves out gets a root that records nothing and no other span; its context
+(flagged not sampled) still goes to the worker, so the worker and the backend leave it
+out too. No hook raises (a request may already run on a worker when one is called): a
+failure is logged once and the request goes on untraced.
 """
 
 from __future__ import annotations
 
-import importlib
+import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from relay import __version__
+from relay.core.keycache import KeyCache
+from relay.core.keystats import key_name
 from relay.core.state import RelayRequest, Worker
+from relay.core.tracer import NullTracer, RequestTracer
 from relay.wire import telemetry
 
 logger = logging.getLogger("relay.tracing")
 
 Headers = list[tuple[bytes, bytes]]
 
+_CONTEXT_HEADERS = frozenset(name.encode() for name in telemetry.CONTEXT_HEADERS)
+
+
+class EdgeTracer(RequestTracer, Protocol):
+    """The tracer as the HTTP edge sees it: the core's hooks, and the edge's own.
+
+    ``trace`` is what :meth:`begin` returned, handed to ``submit`` and back to these
+    hooks (None: the request is not traced). No hook raises.
+    """
+
+    def begin(self, headers: Headers, method: str, path: str, *, peer: bool = False) -> object:
+        """A request arrived (call first thing): its trace. ``peer``: another process
+        of the cluster placed it here, and its context is always continued."""
+        ...
+
+    def admitted(self, trace: object, request: RelayRequest) -> None:
+        """The relay accepted ``request`` (it may already be on a worker)."""
+        ...
+
+    def rejected(self, trace: object, status: int, outcome: str, model: str = "") -> None:
+        """The relay refused the request before admitting it (or the client left)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Export what is still buffered (server shutdown)."""
+        ...
+
+
+class NullTracing(NullTracer):
+    """Tracing off: every hook does nothing and costs a method call; nothing of
+    OpenTelemetry is loaded."""
+
+    __slots__ = ()
+
+    def begin(self, headers: Headers, method: str, path: str, *, peer: bool = False) -> None:
+        return None
+
+    def admitted(self, trace: object, request: RelayRequest) -> None:
+        pass
+
+    def rejected(self, trace: object, status: int, outcome: str, model: str = "") -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
 
 class RequestTrace:
     """The spans of one request still open, and its clock offset."""
 
-    __slots__ = ("admitted_ns", "context", "dispatch", "offset_ns", "root")
+    __slots__ = (
+        "admitted_ns",
+        "context",
+        "dispatch",
+        "offset_ns",
+        "recording",
+        "root",
+        "started_ns",
+    )
 
-    def __init__(self, root: Any, context: Any, offset_ns: int) -> None:
+    def __init__(self, root: Any, context: Any, started_ns: int, offset_ns: int) -> None:
         self.root = root
+        #: The root's context, parent of every other span; None when the sampler does
+        #: not record the request (only the root exists then, recording nothing).
         self.context = context
+        self.recording: bool = context is not None
+        #: Wall-clock ns at arrival (a root that records nothing has no start time).
+        self.started_ns = started_ns
         #: Wall-clock ns minus loop-clock ns at arrival.
         self.offset_ns = offset_ns
         self.admitted_ns: int | None = None
@@ -67,66 +136,52 @@ class RequestTrace:
 
 
 class Tracing:
-    """The relay's tracer; a :class:`relay.core.tracer.RequestTracer` for the core."""
+    """The relay's tracer (an :class:`EdgeTracer`), while tracing is on.
 
-    def __init__(self, provider: Any) -> None:
-        api = importlib.import_module("opentelemetry.trace")
-        self.provider = provider
-        self.tracer = provider.get_tracer("modelrelay", __version__)
-        self.propagator = telemetry.propagator()
-        self._in_context = api.set_span_in_context
-        self._server = api.SpanKind.SERVER
-        self._error = api.Status(api.StatusCode.ERROR)
+    ``clock`` is the core's loop clock (the times it notes on requests); ``keys`` names
+    API keys; ``trust_incoming`` (``OTEL_TRUST_INCOMING``) whether a client's context
+    is continued.
+    """
+
+    def __init__(
+        self,
+        traces: telemetry.Traces,
+        clock: Callable[[], float],
+        keys: KeyCache | None = None,
+        *,
+        trust_incoming: bool = True,
+    ) -> None:
+        self.traces = traces
+        self.tracer = traces.tracer
+        self.clock = clock
+        self.keys = keys
+        self.trust_incoming = trust_incoming
         self._failures = 0
 
     # -- the edges ------------------------------------------------------------
 
-    def begin(self, headers: Headers, method: str, path: str, loop_now: float) -> RequestTrace:
-        """A request arrived (call first thing): its root span, under the caller's
-        ``traceparent`` when there is a valid one."""
-        started = time.time_ns()
-        carrier = {}
-        for name, value in headers:
-            if name in (b"traceparent", b"tracestate"):
-                carrier[name.decode()] = value.decode("latin-1")
-        parent = self.propagator.extract(carrier) if carrier else None
-        root = self.tracer.start_span(
-            f"{method} {path}",
-            context=parent,
-            kind=self._server,
-            start_time=started,
-            attributes={"http.request.method": method, "url.path": path},
-        )
-        return RequestTrace(root, self._in_context(root), started - int(loop_now * 1e9))
+    def begin(
+        self, headers: Headers, method: str, path: str, *, peer: bool = False
+    ) -> RequestTrace | None:
+        try:
+            return self._begin(headers, method, path, peer)
+        except Exception:
+            self._failed()
+            return None
 
-    def admitted(self, trace: RequestTrace, request: RelayRequest, key: str | None) -> None:
-        """The relay accepted ``request`` (it may already be on a worker)."""
-        attributes: dict[str, Any] = {
-            "relay.request_id": request.id,
-            "gen_ai.request.model": request.model,
-            "relay.provider": request.provider,
-            "relay.stream": request.is_streaming,
-            "relay.service_class": request.service_class,
-        }
-        if key is not None:
-            attributes["relay.api_key.name"] = key
-        trace.root.set_attributes(attributes)
-        if trace.admitted_ns is None:
-            trace.admitted_ns = time.time_ns()
-        self._span("admission", trace, trace.root.start_time, trace.admitted_ns)
+    def admitted(self, trace: object, request: RelayRequest) -> None:
+        if isinstance(trace, RequestTrace) and trace.recording:
+            try:
+                self._admitted(trace, request)
+            except Exception:
+                self._failed()
 
-    def rejected(self, trace: RequestTrace, status: int, outcome: str, model: str = "") -> None:
-        """The relay refused the request before admitting it (or the client left)."""
-        now = time.time_ns()
-        self._span("admission", trace, trace.root.start_time, now, error=True)
-        root = trace.root
-        if model:
-            root.set_attribute("gen_ai.request.model", model)
-        root.set_attribute("http.response.status_code", status)
-        root.set_attribute("relay.outcome", outcome)
-        if status >= 500 or outcome != "cancelled":
-            root.set_status(self._error)
-        root.end(now)
+    def rejected(self, trace: object, status: int, outcome: str, model: str = "") -> None:
+        if isinstance(trace, RequestTrace) and trace.recording:
+            try:
+                self._rejected(trace, status, outcome, model)
+            except Exception:
+                self._failed()
 
     # -- the core's hooks (relay.core.tracer.RequestTracer) ---------------------
 
@@ -135,6 +190,10 @@ class Tracing:
         if not isinstance(trace, RequestTrace):
             return request.headers  # not traced (a batch line, a legacy client)
         try:
+            if not trace.recording:  # the worker and the backend are told so
+                headers = dict(request.headers)
+                self.traces.inject(headers, trace.root)
+                return headers
             return self._dispatched(trace, request, worker, now)
         except Exception:
             self._failed()
@@ -142,13 +201,63 @@ class Tracing:
 
     def finished(self, request: RelayRequest) -> None:
         trace = request.trace
-        if isinstance(trace, RequestTrace):
+        if isinstance(trace, RequestTrace) and trace.recording:
             try:
                 self._finished(trace, request)
             except Exception:
                 self._failed()
 
     # -- details ----------------------------------------------------------------
+
+    def _begin(self, headers: Headers, method: str, path: str, peer: bool) -> RequestTrace:
+        started = time.time_ns()
+        loop_now = self.clock()
+        parent = None
+        if peer or self.trust_incoming:
+            carrier = {
+                name.decode(): value.decode("latin-1")
+                for name, value in headers
+                if name in _CONTEXT_HEADERS
+            }
+            parent = self.traces.extract(carrier)
+        root = self.tracer.start_span(
+            f"{method} {path}",
+            context=parent,
+            kind=self.traces.server_kind,
+            start_time=started,
+            attributes={"http.request.method": method, "url.path": path},
+        )
+        # A root the sampler drops records nothing, and neither would its children
+        # (every standard sampler decides a trace's spans alike): none are made.
+        context = self.traces.in_context(root) if root.is_recording() else None
+        return RequestTrace(root, context, started, started - int(loop_now * 1e9))
+
+    def _admitted(self, trace: RequestTrace, request: RelayRequest) -> None:
+        attributes: dict[str, Any] = {
+            "relay.request_id": request.id,
+            "gen_ai.request.model": request.model,
+            "relay.provider": request.provider,
+            "relay.stream": request.is_streaming,
+            "relay.service_class": request.service_class,
+        }
+        if request.key_id is not None and self.keys is not None:
+            attributes["relay.api_key.name"] = key_name(self.keys, request.key_id)
+        trace.root.set_attributes(attributes)
+        if trace.admitted_ns is None:
+            trace.admitted_ns = time.time_ns()
+        self._span("admission", trace, trace.started_ns, trace.admitted_ns)
+
+    def _rejected(self, trace: RequestTrace, status: int, outcome: str, model: str) -> None:
+        now = time.time_ns()
+        self._span("admission", trace, trace.started_ns, now, error=True)
+        root = trace.root
+        if model:
+            root.set_attribute("gen_ai.request.model", model)
+        root.set_attribute("http.response.status_code", status)
+        root.set_attribute("relay.outcome", outcome)
+        if status >= 500 or outcome != "cancelled":
+            root.set_status(self.traces.error)
+        root.end(now)
 
     def _dispatched(
         self, trace: RequestTrace, request: RelayRequest, worker: Worker, now: float
@@ -158,7 +267,7 @@ class Tracing:
             trace.admitted_ns = at  # chosen within admission: nothing to wait for
         if trace.dispatch is not None:  # lost its worker before any byte: requeued
             trace.dispatch.set_attribute("relay.dispatch.outcome", "worker lost, requeued")
-            trace.dispatch.set_status(self._error)
+            trace.dispatch.set_status(self.traces.error)
             trace.dispatch.end(at)
         if request.enqueued_at is not None:
             self._span(
@@ -187,7 +296,7 @@ class Tracing:
         )
         trace.dispatch = span
         headers = dict(request.headers)
-        self.propagator.inject(headers, context=self._in_context(span))
+        self.traces.inject(headers, span)
         return headers
 
     @staticmethod
@@ -242,7 +351,7 @@ class Tracing:
             attributes["relay.worker.name"] = request.worker_name
         root.set_attributes(attributes)
         if (request.status or 0) >= 500 or request.outcome not in ("ok", "upstream_error"):
-            root.set_status(self._error)
+            root.set_status(self.traces.error)
         root.end(end)
 
     def _span(
@@ -259,7 +368,7 @@ class Tracing:
             name, context=trace.context, start_time=start, attributes=attributes
         )
         if error:
-            span.set_status(self._error)
+            span.set_status(self.traces.error)
         span.end(max(start, end))
 
     def _failed(self) -> None:
@@ -268,14 +377,26 @@ class Tracing:
             logger.exception("recording a trace failed; later failures are not logged")
 
     def shutdown(self) -> None:
-        """Export what is still buffered (server shutdown)."""
+        """Export what is still buffered (blocks)."""
         try:
-            self.provider.shutdown()
+            self.traces.shutdown()
         except Exception:
             logger.warning("flushing traces at shutdown failed", exc_info=True)
 
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.shutdown)
 
-def from_environment(env: Mapping[str, str] | None = None) -> Tracing | None:
-    """Tracing as ``OTEL_*`` configures it, or None (off: the default)."""
-    provider = telemetry.tracer_provider("modelrelay", os.environ if env is None else env)
-    return None if provider is None else Tracing(provider)
+
+def from_environment(
+    env: Mapping[str, str] | None = None,
+    *,
+    clock: Callable[[], float],
+    keys: KeyCache | None = None,
+    trust_incoming: bool = True,
+) -> Tracing | NullTracing:
+    """Tracing as ``OTEL_*`` configures it (see :class:`Tracing` for the rest), or
+    :class:`NullTracing` (off: the default)."""
+    traces = telemetry.traces("modelrelay", os.environ if env is None else env)
+    if traces is None:
+        return NullTracing()
+    return Tracing(traces, clock, keys, trust_incoming=trust_incoming)

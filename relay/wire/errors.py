@@ -6,19 +6,22 @@ Hierarchy::
     ├── ClientError
     │   ├── BadRequest              (400)
     │   ├── Unauthorized            (401)
-    │   │   └── KeyExpired
+    │   │   ├── KeyExpired
+    │   │   └── JoinRefused     (a join token that cannot be used, SPEC §22)
     │   ├── ModelNotAllowed         (403, the API key may not use the model)
     │   ├── ModelNotFound           (404)
     │   ├── NotFound                (404, a path the relay does not serve)
     │   ├── MethodNotAllowed        (405, with Allow)
     │   ├── PayloadTooLarge         (413)
+    │   │   └── FileBytesExceeded   (a key's stored files would pass their bytes)
     │   ├── UpgradeRequired         (426)
     │   ├── UnsupportedMediaType    (415)
     │   ├── QueueFull               (429)
     │   ├── RateLimited             (429, an API key's limit; with Retry-After)
     │   │   ├── ConcurrencyLimited
     │   │   ├── RequestRateLimited
-    │   │   └── BatchLinesExceeded  (too many of the key's batch lines waiting)
+    │   │   ├── BatchLinesExceeded  (too many of the key's batch lines waiting)
+    │   │   └── FileCountExceeded   (the key keeps as many files as it may)
     │   ├── QuotaExceeded           (429, an API key's token budget; with Retry-After)
     │   │   ├── DailyQuotaExceeded
     │   │   └── MonthlyQuotaExceeded
@@ -30,9 +33,11 @@ Hierarchy::
     │   ├── RequeueExhausted
     │   ├── WorkerLost
     │   ├── WorkerUnavailable       (cluster: placed again by the client's process)
+    │   ├── ModelLoadFailed         (no worker could load the model)
     │   └── ShuttingDown
     ├── GatewayTimeout              (504)
     │   ├── QueueTimeout
+    │   ├── ModelLoadTimeout        (the model was not loaded in time)
     │   └── RequestTimeout
     ├── StreamTooLarge              (502, only ever seen mid-stream)
     ├── SlowClient                  (499, only ever seen mid-stream)
@@ -101,6 +106,15 @@ class KeyExpired(Unauthorized):
     outcome = "key_expired"
 
 
+class JoinRefused(Unauthorized):
+    """A join token that cannot be used (SPEC §22): unknown, spent, expired, revoked, or
+    its provider is disabled; the message says which."""
+
+    code = "join_refused"
+    default_message = "Invalid join token"
+    outcome = "join_refused"
+
+
 class ModelNotAllowed(ClientError):
     status = 403
     openai_type = "permission_error"
@@ -161,6 +175,18 @@ class PayloadTooLarge(ClientError):
     default_message = "Request body is too large"
 
 
+class FileBytesExceeded(PayloadTooLarge):
+    """An upload would take the files its key keeps past BATCH_MAX_FILE_BYTES_PER_KEY."""
+
+    code = "file_bytes_exceeded"
+
+    def __init__(self, limit: int, used: int) -> None:
+        super().__init__(
+            f"Files kept for this API key may take at most {limit} bytes in all "
+            f"({used} in use); delete some before uploading this one"
+        )
+
+
 class UnsupportedMediaType(ClientError):
     status = 415
     code = "unsupported_media_type"
@@ -212,6 +238,21 @@ class BatchLinesExceeded(RateLimited):
         super().__init__(
             f"This API key would have more than {limit} batch requests waiting; "
             "retry when some of its batches have ended",
+            retry_after=60,
+        )
+
+
+class FileCountExceeded(RateLimited):
+    """The key keeps BATCH_MAX_FILES_PER_KEY files already: no retry helps before it
+    deletes some (or they pass BATCH_RETENTION_DAYS)."""
+
+    code = "file_count_exceeded"
+    outcome = "over_file_count"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"At most {limit} files may be kept for this API key; delete some before "
+            "uploading another",
             retry_after=60,
         )
 
@@ -312,6 +353,17 @@ class WorkerUnavailable(ServiceUnavailable):
         self.headers.append((b"x-modelrelay-requeue", b"spend" if spend else b"free"))
 
 
+class ModelLoadFailed(ServiceUnavailable):
+    """Models on demand (SPEC §19): every worker that holds the model failed to load it."""
+
+    code = "model_load_failed"
+    retry_after = 5
+    outcome = "model_load_failed"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"Model '{_shown(model)}' could not be loaded on any worker")
+
+
 class ShuttingDown(ServiceUnavailable):
     code = "shutting_down"
     default_message = "Server is shutting down, please retry"
@@ -332,6 +384,17 @@ class QueueTimeout(GatewayTimeout):
     code = "queue_timeout"
     default_message = "Request timed out waiting for worker"
     outcome = "queue_timeout"
+
+
+class ModelLoadTimeout(GatewayTimeout):
+    """Models on demand (SPEC §19): the request waited MODEL_LOAD_TIMEOUT_SECS for its
+    model to be loaded somewhere."""
+
+    code = "model_load_timeout"
+    outcome = "model_load_timeout"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"Model '{_shown(model)}' could not be loaded in time")
 
 
 class RequestTimeout(GatewayTimeout):

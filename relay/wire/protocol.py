@@ -109,21 +109,50 @@ U64_MAX = 2**64 - 1
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 #: msgspec bounds only what fits an int64: the upper end is checked in ``__post_init__``.
 U64 = Annotated[int, msgspec.Meta(ge=0)]
-TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
 Timestamp = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMESTAMP_MS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 ShortText = Annotated[str, msgspec.Meta(max_length=1024)]
 
 
 class TokenCounts(msgspec.Struct, omit_defaults=True):
-    prompt_tokens: TokenCount | None = None
-    completion_tokens: TokenCount | None = None
-    total_tokens: TokenCount | None = None
+    """A request's tokens as the worker reports them.
+
+    Each count takes what the reference's ``u64`` holds; one past :data:`MAX_TOKENS`
+    (a backend's unsigned underflow, a corrupt usage object) is no figure to charge a
+    key or add to a metric: it is dropped (None) and the counts are marked
+    ``estimated``, so the request still completes on a connection that stays up. What a
+    ``u64`` cannot hold (negative, wider, not an integer) is a protocol error.
+    """
+
+    prompt_tokens: U64 | None = None
+    completion_tokens: U64 | None = None
+    total_tokens: U64 | None = None
     #: Prompt tokens the backend reused from its cache (optional; SPEC §14).
-    cached_tokens: TokenCount | None = None
-    #: True when the backend reported no usage and the worker counted the stream
-    #: itself (an estimate, labelled as such wherever the figure is shown).
+    cached_tokens: U64 | None = None
+    #: True when the figures are not all the backend's own: it reported no usage and
+    #: the worker counted the stream itself, or a count past :data:`MAX_TOKENS` was
+    #: dropped (labelled an estimate wherever the figures are shown).
     estimated: bool = False
+
+    def __post_init__(self) -> None:
+        if (  # (the usual case, checked first: one comparison per count)
+            (self.prompt_tokens or 0) <= MAX_TOKENS
+            and (self.completion_tokens or 0) <= MAX_TOKENS
+            and (self.total_tokens or 0) <= MAX_TOKENS
+            and (self.cached_tokens or 0) <= MAX_TOKENS
+        ):
+            return
+        for name in _COUNT_FIELDS:
+            count = getattr(self, name)
+            if count is None or count <= MAX_TOKENS:
+                continue
+            if count > U64_MAX:
+                raise ValueError(f"`{name}` does not fit in 64 bits")
+            setattr(self, name, None)
+            self.estimated = True
+
+
+_COUNT_FIELDS = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
 
 
 class ModelState(msgspec.Struct, omit_defaults=True):

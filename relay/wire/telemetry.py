@@ -9,21 +9,27 @@ default), batch sizes and delays (``OTEL_BSP_*``), service name and resource
 attributes — is read by the OpenTelemetry SDK itself. The exporter speaks OTLP over
 HTTP (protobuf); the gRPC exporter is not installed.
 
-The SDK is imported only by :func:`tracer_provider`, called once at start when
-tracing is on: with it off, nothing of OpenTelemetry is loaded. It is imported by
-name (like uvloop in ``worker.py``) because the worker treats it as optional.
+The SDK is imported only by :func:`traces` (and :func:`tracer_provider`), called once
+at start when tracing is on: with it off, nothing of OpenTelemetry is loaded. It is
+imported by name (like uvloop in ``worker.py``) because the worker treats it as
+optional. Both programs record their spans through :class:`Traces`.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
+
+from relay import __version__
 
 logger = logging.getLogger("relay.tracing")
 
 _TRUE = {"1", "true", "yes", "on"}
+
+#: The W3C trace context headers (lower case), both ways.
+CONTEXT_HEADERS = ("traceparent", "tracestate")
 
 
 def exporters(env: Mapping[str, str]) -> list[str]:
@@ -91,3 +97,39 @@ def propagator() -> Any:
     """W3C trace context (``traceparent`` / ``tracestate``)."""
     module = importlib.import_module("opentelemetry.trace.propagation.tracecontext")
     return module.TraceContextTextMapPropagator()
+
+
+class Traces:
+    """What one program records its spans with, built once at start when tracing is on:
+    the SDK provider's tracer (named after the program), the W3C propagator, the span
+    kinds and the error status. Holds no per-request state."""
+
+    def __init__(self, provider: Any, name: str) -> None:
+        api = importlib.import_module("opentelemetry.trace")
+        self.provider = provider
+        self.tracer = provider.get_tracer(name, __version__)
+        self.propagator = propagator()
+        self.in_context = api.set_span_in_context
+        self.server_kind = api.SpanKind.SERVER
+        self.client_kind = api.SpanKind.CLIENT
+        self.error = api.Status(api.StatusCode.ERROR)
+
+    def extract(self, carrier: Mapping[str, str]) -> Any:
+        """The remote context ``carrier`` (``traceparent``/``tracestate``) holds, as a
+        parent for ``start_span``; None (a new trace) when it holds none."""
+        return self.propagator.extract(carrier) if carrier else None
+
+    def inject(self, headers: MutableMapping[str, str], span: Any) -> None:
+        """Set ``span``'s context in ``headers`` (``traceparent``, and ``tracestate``
+        when the trace has one): a child of ``span`` continues the trace from there."""
+        self.propagator.inject(headers, context=self.in_context(span))
+
+    def shutdown(self) -> None:
+        """Export what is still buffered; blocks (run it off the event loop)."""
+        self.provider.shutdown()
+
+
+def traces(service_name: str, env: Mapping[str, str]) -> Traces | None:
+    """:class:`Traces` as the environment configures them, or None (tracing off)."""
+    provider = tracer_provider(service_name, env)
+    return None if provider is None else Traces(provider, service_name)

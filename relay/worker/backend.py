@@ -24,19 +24,15 @@ from relay import __version__
 from relay.wire.errors import Flavor, WorkerFailed, describe, error_body
 from relay.wire.headers import DROPPED_RESPONSE_HEADERS
 from relay.wire.protocol import Request, ResponseComplete
-from relay.wire.sse import error_event
+from relay.wire.sse import StreamEnd, error_event
 from relay.worker import network
 from relay.worker.config import Config
 from relay.worker.connection import BackendConnection, BodyTooLarge, NoAnswer
 from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix
 from relay.worker.pool import ConnectionPool
-from relay.worker.usage import (
-    USAGE_ON_REQUEST,
-    UsageScanner,
-    UsageStripper,
-    ask_for_usage,
-)
+from relay.worker.stripper import UsageStripper
+from relay.worker.usage import USAGE_ON_REQUEST, UsageScanner, ask_for_usage
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
 log = logging.getLogger("modelrelay.worker")
@@ -71,6 +67,11 @@ class BackendUnreached(Exception):
         super().__init__(problem)
         self.problem = problem
         self.refused = refused
+
+
+class StreamCut(Exception):
+    """A streamed answer's body ended cleanly but without the API's last event: the
+    backend stopped it short (:class:`relay.wire.sse.StreamEnd`)."""
 
 
 #: Failures opening a connection: nothing was sent, nothing listens.
@@ -137,17 +138,21 @@ class _Forwarder:
     whole with the next one), feeds the usage scanner and posts one frame at once.
     """
 
-    __slots__ = ("_decode", "_post", "_prefix", "_scan", "sent")
+    __slots__ = ("_decode", "_end", "_post", "_prefix", "_scan", "sent")
 
-    def __init__(self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox) -> None:
+    def __init__(
+        self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox, end: StreamEnd
+    ) -> None:
         self._prefix = chunk_prefix(request_id)
         self._decode = codecs.getincrementaldecoder("utf-8")("replace").decode
         self._scan = scan
+        self._end = end.feed
         self._post = outbox.post
         self.sent = False
 
     def feed(self, data: bytes) -> None:
         self._scan(data)
+        self._end(data)
         text = self._decode(data)
         if text:  # posted at once: never held back to wait for more bytes
             self.sent = True
@@ -171,12 +176,15 @@ class _StrippingForwarder(_Forwarder):
 
     __slots__ = ("_stripper",)
 
-    def __init__(self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox) -> None:
-        super().__init__(request_id, scan, outbox)
+    def __init__(
+        self, request_id: str, scan: Callable[[bytes], None], outbox: Outbox, end: StreamEnd
+    ) -> None:
+        super().__init__(request_id, scan, outbox, end)
         self._stripper = UsageStripper(self._emit)
 
     def feed(self, data: bytes) -> None:
         self._scan(data)
+        self._end(data)
         self._stripper.feed(data)  # which calls _emit with what may go out now
 
     def finish(self) -> None:
@@ -354,6 +362,7 @@ class Backend:
         rid = request.request_id
         scanner = UsageScanner()
         forwarder: _Forwarder | None = None
+        end: StreamEnd | None = None
         conn: BackendConnection | None = None
         try:
             # Every response is charged (relay/worker/usage.py): a chat/completions
@@ -386,12 +395,13 @@ class Backend:
             content_type = resp.get("content-type")
             is_json = "json" in content_type.lower()
             if request.is_streaming and 200 <= resp.status < 300 and not is_json:
+                end = StreamEnd.for_endpoint(request.endpoint_path)
                 if request.endpoint_path in USAGE_ON_REQUEST:
                     scanner.estimate(len(request.body))
                     kind = _Forwarder if asked is None else _StrippingForwarder
-                    forwarder = kind(rid, scanner.count, outbox)
+                    forwarder = kind(rid, scanner.count, outbox, end)
                 else:
-                    forwarder = _Forwarder(rid, scanner.feed, outbox)
+                    forwarder = _Forwarder(rid, scanner.feed, outbox, end)
                 outbox.watch(conn)
                 if valve is not None:
                     valve.attach(conn)
@@ -401,6 +411,8 @@ class Backend:
                 scanner.finish()
                 if scanner.timings:
                     self.reports_timings = True
+                if not end.seen:
+                    raise StreamCut()
                 return ResponseComplete(
                     request_id=rid,
                     status_code=resp.status,
@@ -426,6 +438,9 @@ class Backend:
         except BodyTooLarge:
             problem = "the backend's response is too large to relay"
             log.warning("backend error on request %s: %s", rid, problem)
+        except StreamCut:
+            problem = "it ended the stream before its last event"
+            log.warning("backend error on request %s: %s", rid, problem)
         except Exception as exc:  # a bug here must not take other requests down
             problem = describe(exc)
             log.exception("backend error on request %s (unexpected)", rid)
@@ -436,9 +451,12 @@ class Backend:
                 outbox.unwatch(conn)
                 self.pool.release(conn)  # kept only when the exchange ended cleanly
         if forwarder is not None and forwarder.sent:
-            # The client already has part of the stream: end it with an error event.
+            # The client already has part of the stream: end it with an error event,
+            # after a blank line if the stream broke off inside one.
             err = WorkerFailed(f"The backend failed mid-stream: {problem}")
             chunk = error_event(err, flavor_of(request.endpoint_path)).decode()
+            if end is not None and not end.between_events:
+                chunk = "\n\n" + chunk
             outbox.post(chunk_frame(chunk_prefix(rid), chunk))
             return ResponseComplete(request_id=rid, status_code=502, token_counts=scanner.counts())
         return self.failure(request, problem)

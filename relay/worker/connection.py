@@ -35,14 +35,8 @@ from typing import cast
 
 import httpx
 
-from relay.worker.http1 import (
-    CHUNKED,
-    LENGTH,
-    BodySink,
-    ResponseHead,
-    ResponseReader,
-    content_decoder,
-)
+from relay.wire.http1 import CHUNKED, LENGTH, BodySink, ResponseHead
+from relay.worker.http1 import BackendResponseReader, content_decoder
 
 
 class BodyTooLarge(Exception):
@@ -84,7 +78,7 @@ class BackendConnection(asyncio.Protocol):
         self.exchanges = 0
         #: Whether a byte of the current exchange's response arrived.
         self.answered = False
-        self._reader = ResponseReader(self._begin, self._deliver)
+        self._reader = BackendResponseReader(self._begin, self._deliver)
         self._head: asyncio.Future[ResponseHead] | None = None
         self._done: asyncio.Future[None] | None = None
         self._reusable = False

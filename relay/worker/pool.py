@@ -17,8 +17,9 @@ import ssl
 
 import httpx
 
+from relay.wire.http1 import ResponseHead
 from relay.worker.connection import BackendConnection
-from relay.worker.http1 import Origin, ResponseHead
+from relay.worker.http1 import Origin
 
 log = logging.getLogger("modelrelay.worker")
 #: What a reused connection that ended without answering raises (the backend closed it).

@@ -26,14 +26,17 @@ from relay.wire.protocol import (
     FEATURES,
     FLOW_CONTROL,
     METRICS,
+    MODEL_STATES,
     PROTOCOL_VERSION,
     WORKER_DRAINING,
     Cancel,
     Error,
     GracefulShutdown,
     MetricsRejected,
+    ModelLoad,
     ModelsRefresh,
     ModelsUpdate,
+    ModelUnload,
     Pause,
     Ping,
     Pong,
@@ -45,10 +48,13 @@ from relay.wire.protocol import (
     decode_server_message,
 )
 from relay.worker import sampler
+from relay.worker.announcer import ModelAnnouncer
 from relay.worker.backend import Backend, BackendUnreached, Valve
 from relay.worker.config import Config
+from relay.worker.operations import ModelOperations
 from relay.worker.outbox import Outbox, encode
-from relay.worker.tracing import WorkerTracing
+from relay.worker.tracing import CallTracer
+from relay.worker.tracker import ModelTracker
 from relay.worker.usage import format_counts
 
 # The worker's one logger, whichever module writes: operators filter on it (docs/WORKER.md).
@@ -98,8 +104,18 @@ class Owner(Protocol):
     def backend(self) -> Backend: ...
 
     @property
-    def tracing(self) -> WorkerTracing | None:
-        """Traces of backend calls (SPEC §17); None while tracing is off."""
+    def tracker(self) -> ModelTracker:
+        """The backend's models on demand (a plain backend's tracker reports none)."""
+        ...
+
+    @property
+    def operations(self) -> ModelOperations:
+        """Loads and unloads on the relay's word (``model_states``)."""
+        ...
+
+    @property
+    def tracing(self) -> CallTracer:
+        """Traces of backend calls (SPEC §17); a null one while tracing is off."""
         ...
 
     def advertised(self) -> list[str]:
@@ -140,6 +156,8 @@ class Session:
         self.metrics = sampler.Federating()
         #: Every frame to the relay goes through it, in order.
         self.outbox = Outbox(ws, self.spawn)
+        #: This connection's side of the ``model_states`` extension.
+        self.models = ModelAnnouncer(worker, self.send, self.outbox.post, self.spawn)
 
     @property
     def load(self) -> int:
@@ -166,15 +184,19 @@ class Session:
     async def run(self) -> None:
         worker = self.worker
         try:
+            models = worker.advertised()
+            states, capacity = self.models.register_fields(models)
             await self.send(
                 Register(
                     worker_name=worker.config.worker_name,
-                    models=worker.advertised(),
+                    models=models,
                     max_concurrent=worker.max_concurrent,
                     protocol_version=PROTOCOL_VERSION,
                     current_load=0,
                     features=self.features(),
                     backend_error=worker.backend_error,
+                    model_states=states,
+                    model_capacity=capacity,
                 )
             )
             loop = asyncio.get_running_loop()
@@ -192,9 +214,12 @@ class Session:
                 await asyncio.wait(children)
 
     def features(self) -> list[str]:
-        """The extensions to announce: all but ``metrics`` when that is turned off."""
-        off = self.worker.config.backend_metrics_url is None
-        return [f for f in FEATURES if not (off and f == METRICS)]
+        """The extensions to announce: all but ``metrics`` when that is turned off, and
+        ``model_states`` only for a backend that loads models on demand."""
+        off = {METRICS} if self.worker.config.backend_metrics_url is None else set()
+        if not self.worker.tracker.on_demand:
+            off.add(MODEL_STATES)
+        return [f for f in FEATURES if f not in off]
 
     async def on_frame(self, raw: str | bytes) -> None:
         """Handle one frame quickly; anything slow runs in a task of its own."""
@@ -219,6 +244,8 @@ class Session:
                 self.metrics.rejected(message)
             case ModelsRefresh():
                 self.spawn(self.worker.refresh_models(self, always=True))
+            case ModelLoad() | ModelUnload():
+                self.models.on_op(message)
             case GracefulShutdown():
                 log.info(
                     "graceful shutdown requested by the proxy (%s): finishing %d in-flight "
@@ -260,8 +287,11 @@ class Session:
             self._watchdog = self.spawn(
                 self._watch_for_silence(limit, interval), name="silence watchdog"
             )
-        if self.worker.config.models is None and not self.draining:
+        on_demand = self.worker.tracker.on_demand
+        if self.worker.config.models is None and not on_demand and not self.draining:
             self.spawn(self._refresh_periodically(), name="model refresh")
+        if on_demand and MODEL_STATES in self.accepted:
+            self.spawn(self.models.report(lambda: self.draining), name="model states")
         if METRICS in self.accepted:
             self.spawn(
                 self.metrics.run(self.worker.config, self.send, lambda: self.load), name="metrics"
@@ -387,7 +417,7 @@ class Session:
         )
         backend = self.worker.backend
         tracing = self.worker.tracing
-        span = None if tracing is None else tracing.start(request)
+        span = tracing.start(request)
         complete = None
         try:
             complete = await backend.exchange(request, self.outbox, valve)
@@ -411,8 +441,7 @@ class Session:
         except ConnectionClosed:
             pass  # the session is ending; the relay handles this request's fate
         finally:
-            if span is not None and tracing is not None:
-                tracing.end(span, complete)
+            tracing.end(span, complete)
 
     async def _hand_back(self, request: Request, exc: BackendUnreached) -> None:
         """The backend never took ``request``: give it back for the relay to requeue.

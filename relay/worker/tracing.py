@@ -5,45 +5,97 @@ The relay sends the context of its ``dispatch`` span as ``traceparent`` in the
 as the server, :mod:`relay.wire.telemetry`; the OpenTelemetry packages are optional
 on a GPU box), the worker records a ``backend call`` span under it, from forwarding
 to the last byte, and hands the backend *its* context instead, so a backend that
-traces (vLLM ``--otlp-traces-endpoint``) hangs its spans below the worker's. With
-tracing off the relay's ``traceparent`` goes to the backend unchanged. Imports
-nothing from Django, and nothing of OpenTelemetry unless tracing is on.
+traces (vLLM ``--otlp-traces-endpoint``) hangs its spans below the worker's; a
+request the relay did not sample is not recorded here either, and the backend is
+told so. With tracing off (:class:`NullWorkerTracing`) the relay's ``traceparent``
+goes to the backend unchanged. Imports nothing from Django, and nothing of
+OpenTelemetry unless tracing is on.
+
+No hook raises: a failure is logged once and the request is forwarded untraced.
 """
 
 from __future__ import annotations
 
-import importlib
+import asyncio
+import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from relay import __version__
 from relay.wire import telemetry
 from relay.wire.protocol import Request, ResponseComplete
 
-_CONTEXT_HEADERS = ("traceparent", "tracestate")
+log = logging.getLogger("modelrelay.worker")
+
+
+class CallTracer(Protocol):
+    """The worker's tracing as a session sees it."""
+
+    def start(self, request: Request) -> object:
+        """``request`` is about to be forwarded: the span of its backend call (None: not
+        traced). May replace the trace context in ``request.headers``."""
+        ...
+
+    def end(self, span: object, complete: ResponseComplete | None) -> None:
+        """The call ended: with this completion, or aborted (None: cancelled, lost)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Export what is still buffered (the worker is exiting)."""
+        ...
+
+
+class NullWorkerTracing:
+    """Tracing off: nothing recorded, the relay's context forwarded as it came."""
+
+    __slots__ = ()
+
+    def start(self, request: Request) -> None:
+        return None
+
+    def end(self, span: object, complete: ResponseComplete | None) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
 
 
 class WorkerTracing:
-    def __init__(self, provider: Any) -> None:
-        api = importlib.import_module("opentelemetry.trace")
-        self.provider = provider
-        self.tracer = provider.get_tracer("modelrelay-worker", __version__)
-        self.propagator = telemetry.propagator()
-        self._in_context = api.set_span_in_context
-        self._client = api.SpanKind.CLIENT
-        self._error = api.Status(api.StatusCode.ERROR)
+    """A :class:`CallTracer` recording ``backend call`` spans."""
+
+    def __init__(self, traces: telemetry.Traces) -> None:
+        self.traces = traces
+        self.tracer = traces.tracer
+        self._failures = 0
 
     def start(self, request: Request) -> Any:
-        """The span of ``request``'s backend call; its context replaces the relay's in
-        the headers the backend gets."""
+        try:
+            return self._start(request)
+        except Exception:
+            self._failed()
+            return None
+
+    def end(self, span: object, complete: ResponseComplete | None) -> None:
+        if span is not None:
+            try:
+                self._end(span, complete)
+            except Exception:
+                self._failed()
+
+    async def aclose(self) -> None:
+        try:
+            await asyncio.to_thread(self.traces.shutdown)
+        except Exception:
+            log.warning("flushing traces at exit failed", exc_info=True)
+
+    def _start(self, request: Request) -> Any:
         headers = request.headers
-        carrier = {k.lower(): v for k, v in headers.items() if k.lower() in _CONTEXT_HEADERS}
-        parent = self.propagator.extract(carrier) if carrier else None
+        names = [k for k in headers if k.lower() in telemetry.CONTEXT_HEADERS]
+        carrier = {k.lower(): headers[k] for k in names}
         span = self.tracer.start_span(
             "backend call",
-            context=parent,
-            kind=self._client,
+            context=self.traces.extract(carrier),
+            kind=self.traces.client_kind,
             attributes={
                 "relay.request_id": request.request_id,
                 "gen_ai.request.model": request.model,
@@ -51,16 +103,19 @@ class WorkerTracing:
                 "relay.stream": request.is_streaming,
             },
         )
-        for name in [k for k in headers if k.lower() in _CONTEXT_HEADERS]:
+        context: dict[str, str] = {}
+        self.traces.inject(context, span)
+        for name in names:
             del headers[name]
-        self.propagator.inject(headers, context=self._in_context(span))
+        headers.update(context)
         return span
 
-    def end(self, span: Any, complete: ResponseComplete | None) -> None:
-        """The call ended: with this completion, or aborted (None: cancelled, lost)."""
+    def _end(self, span: Any, complete: ResponseComplete | None) -> None:
+        if not span.is_recording():
+            return
         if complete is None:
             span.set_attribute("relay.outcome", "aborted")
-            span.set_status(self._error)
+            span.set_status(self.traces.error)
         else:
             span.set_attribute("http.response.status_code", complete.status_code)
             counts = complete.token_counts
@@ -69,14 +124,17 @@ class WorkerTracing:
             if counts is not None and counts.completion_tokens is not None:
                 span.set_attribute("gen_ai.usage.output_tokens", counts.completion_tokens)
             if complete.status_code >= 500:
-                span.set_status(self._error)
+                span.set_status(self.traces.error)
         span.end()
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    def _failed(self) -> None:
+        self._failures += 1
+        if self._failures == 1:  # a bug to see once, never a request to break
+            log.exception("recording a trace failed; later failures are not logged")
 
 
-def from_environment(env: Mapping[str, str] | None = None) -> WorkerTracing | None:
-    """The worker's tracing as ``OTEL_*`` configures it, or None (off: the default)."""
-    provider = telemetry.tracer_provider("modelrelay-worker", os.environ if env is None else env)
-    return None if provider is None else WorkerTracing(provider)
+def from_environment(env: Mapping[str, str] | None = None) -> WorkerTracing | NullWorkerTracing:
+    """The worker's tracing as ``OTEL_*`` configures it, or :class:`NullWorkerTracing`
+    (off: the default)."""
+    traces = telemetry.traces("modelrelay-worker", os.environ if env is None else env)
+    return NullWorkerTracing() if traces is None else WorkerTracing(traces)

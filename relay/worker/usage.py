@@ -6,9 +6,9 @@ fill ``ResponseComplete.token_counts``; imports nothing from Django.
 Every response is charged: OpenAI chat and legacy completions streams carry usage only
 when the client asks (``stream_options.include_usage``), so when it did not, the worker
 asks for it (:func:`ask_for_usage`) and takes the extra usage event out of the stream
-(:class:`UsageStripper`): the client receives exactly the bytes it would have received
-without it. A stream that still reports no usage is counted by the worker itself and
-the figure is marked ``estimated``.
+(:class:`relay.worker.stripper.UsageStripper`): the client receives exactly the bytes
+it would have received without it. A stream that still reports no usage is counted by
+the worker itself and the figure is marked ``estimated``.
 
 llama-server reports its ``timings`` (prompt tokens processed and reused, tokens
 predicted) on the last chunk of every stream, and on the usage chunk instead once usage
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 
 import msgspec
 
-from relay.wire.protocol import TokenCounts
+from relay.wire.protocol import MAX_TOKENS, TokenCounts
 
 _USAGE = re.compile(rb'"(?:usage|timings)"\s*:\s*\{')
+_LINES = re.compile(rb"\r\n?|\n")
 #: Endpoints whose streams report usage only when asked (OpenAI's convention).
 USAGE_ON_REQUEST = frozenset({"/v1/chat/completions", "/v1/completions"})
 #: Request body bytes per prompt token, for an estimate when no usage came back.
@@ -113,7 +113,9 @@ class UsageScanner:
     def feed(self, data: bytes) -> None:
         if self._partial:
             data = self._partial + data
-        cut = data.rfind(b"\n")
+        # Lines end with LF, CRLF or CR (SSE); a CRLF cut between reads makes one
+        # empty line more, which holds nothing to read.
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
         if cut < 0:
             self._partial = data if len(data) <= _MAX_PARTIAL_LINE else b""
             return
@@ -121,7 +123,7 @@ class UsageScanner:
         self._partial = rest if len(rest) <= _MAX_PARTIAL_LINE else b""
         if _USAGE.search(data, 0, cut) is None:
             return
-        for line in data[:cut].split(b"\n"):
+        for line in _LINES.split(data[:cut]):
             self._line(line)
 
     def finish(self) -> None:
@@ -192,7 +194,21 @@ class UsageScanner:
             self.completion = predicted
 
     def counts(self) -> TokenCounts | None:
-        if self.prompt is None and self.completion is None and self.total is None:
+        prompt, completion, total, cached = self.prompt, self.completion, self.total, self.cached
+        dropped = (
+            (prompt or 0) > MAX_TOKENS
+            or (completion or 0) > MAX_TOKENS
+            or (total or 0) > MAX_TOKENS
+            or (cached or 0) > MAX_TOKENS
+        )
+        if dropped:
+            # A count past MAX_TOKENS (a backend's unsigned underflow) is no figure to
+            # charge: dropped, as the relay would drop it, and the rest marked an estimate.
+            prompt, completion, total, cached = (
+                None if count is not None and count > MAX_TOKENS else count
+                for count in (prompt, completion, total, cached)
+            )
+        if prompt is None and completion is None and total is None:
             if self.estimate_prompt is not None and self.events:
                 # About one token per event (how llama-server, vLLM and OpenAI stream),
                 # less the closing ``data: [DONE]``; the prompt from the request's size.
@@ -202,19 +218,19 @@ class UsageScanner:
                     prompt_tokens=prompt,
                     completion_tokens=completion,
                     total_tokens=prompt + completion,
-                    cached_tokens=self.cached,
+                    cached_tokens=cached,
                     estimated=True,
                 )
-            if self.cached is None:
+            if cached is None and not dropped:
                 return None
-        total = self.total
-        if total is None and self.prompt is not None and self.completion is not None:
-            total = self.prompt + self.completion
+        if total is None and prompt is not None and completion is not None:
+            total = prompt + completion
         return TokenCounts(
-            prompt_tokens=self.prompt,
-            completion_tokens=self.completion,
+            prompt_tokens=prompt,
+            completion_tokens=completion,
             total_tokens=total,
-            cached_tokens=self.cached,
+            cached_tokens=cached,
+            estimated=dropped,
         )
 
 
@@ -244,114 +260,6 @@ def ask_for_usage(endpoint_path: str, body: str) -> str | None:
         return None
     doc["stream_options"] = {**options, "include_usage": True}
     return msgspec.json.encode(doc).decode()
-
-
-_EVENT_END = re.compile(rb"(\r?\n\r?\n)")
-_USAGE_ONLY = re.compile(rb'"choices"\s*:\s*\[\s*\]')
-#: ``"usage":null`` as OpenAI and vLLM add it to every chunk once usage is asked for
-#: (at the end of a block, the rest of its event has not arrived yet).
-_NULL_USAGE = re.compile(rb',\s*"usage"\s*:\s*null(?=\s*[,}]|\Z)|"usage"\s*:\s*null\s*,')
-_NULL_TAIL = b',"usage":null'
-#: An event that carries choices: never the usage event, so it may leave unfinished.
-_CONTENT = re.compile(rb'"choices"\s*:\s*\[\s*\{')
-#: An event still unfinished after this many bytes is passed on as it is.
-_MAX_HELD = 64 * 1024
-
-
-def _strip(block: bytes) -> bytes:
-    """``block`` (whole events) without the usage-only events and ``"usage":null``s."""
-    parts = _EVENT_END.split(block)
-    out = []
-    for i in range(0, len(parts), 2):
-        event = parts[i]
-        end = parts[i + 1] if i + 1 < len(parts) else b""
-        if b'"usage"' in event:
-            if _USAGE.search(event) is not None and _USAGE_ONLY.search(event) is not None:
-                # The event the worker asked for: the client did not. What else it
-                # carries (llama-server's timings) is the client's.
-                event = _without_usage(event) if b'"timings"' in event else b""
-                if not event:
-                    continue
-            event = _NULL_USAGE.sub(b"", event)
-        out.append(event + end)
-    return b"".join(out)
-
-
-def _without_usage(event: bytes) -> bytes:
-    """A usage event's ``data:`` without its ``usage`` member (b"": nothing else to
-    keep, or not an event this understands)."""
-    lines = event.split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.startswith(b"data:"):
-            continue
-        try:
-            doc = msgspec.json.decode(line[5:])
-        except msgspec.DecodeError:
-            return b""
-        if not isinstance(doc, dict) or "usage" not in doc:
-            return b""
-        del doc["usage"]
-        lines[i] = b"data: " + msgspec.json.encode(doc)
-        return b"\n".join(lines)
-    return b""
-
-
-def _undecided(tail: bytes) -> int:
-    """How many bytes at the end of an unfinished event must wait for more.
-
-    All of it while it may still be the usage event (its ``choices`` not seen yet);
-    of an event with choices, only what may be the start of ``,"usage":null``.
-    """
-    if len(tail) > _MAX_HELD:
-        return 0
-    if _CONTENT.search(tail) is None or _USAGE.search(tail) is not None:
-        return len(tail)
-    for size in range(min(len(_NULL_TAIL) - 1, len(tail)), 0, -1):
-        if tail.endswith(_NULL_TAIL[:size]):
-            return size
-    return 0
-
-
-class UsageStripper:
-    """Passes a stream on without what asking for its usage added.
-
-    Fed each read of an SSE body; hands ``sink`` what it can at once: every complete
-    event, and of an unfinished one whatever cannot belong to the usage event (only
-    the start of an event not yet known to carry choices waits for more). Reads of
-    whole events without ``"usage"`` in them cost two searches and pass unchanged.
-    """
-
-    __slots__ = ("_held", "_sink")
-
-    def __init__(self, sink: Callable[[bytes], None]) -> None:
-        self._sink = sink
-        self._held = b""
-
-    def feed(self, data: bytes) -> None:
-        if self._held:
-            data = self._held + data
-            self._held = b""
-        elif data.endswith(b"\n\n") and b'"usage"' not in data:
-            self._sink(data)  # whole events, nothing to take out: the usual read
-            return
-        lf = data.rfind(b"\n\n")
-        crlf = data.rfind(b"\r\n\r\n")
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        if end < len(data):
-            wait = _undecided(data[end:])
-            if wait:
-                data, self._held = data[:-wait], data[-wait:]
-        if b'"usage"' in data:
-            data = _strip(data)
-        if data:
-            self._sink(data)
-
-    def finish(self) -> None:
-        held, self._held = self._held, b""
-        if b'"usage"' in held:
-            held = _strip(held)
-        if held:
-            self._sink(held)
 
 
 def format_counts(counts: TokenCounts | None) -> str:

@@ -118,8 +118,19 @@
   function workerCells(w, snapAt) {
     const pct = w.max_concurrent ? Math.min(100, Math.round((100 * w.load) / w.max_concurrent)) : 0;
     const since = snapAt - w.connected_secs;
+    // Models on demand (SPEC §19): each model's state on this worker, with its loads.
+    const states = new Map((w.model_states || []).map((s) => [s.model, s]));
+    const chip = (m) => {
+      const s = states.get(m);
+      if (!s) return el("span", { class: "chip", text: m });
+      const title = s.state + " · " + fmtInt(s.loads) + " loads, " + fmtInt(s.unloads) + " unloads"
+        + (s.last_load_secs == null ? "" : " · last load " + s.last_load_secs.toFixed(2) + " s")
+        + (s.waited_for_load ? " · " + fmtInt(s.waited_for_load) + " requests waited for a load" : "");
+      return el("span", { class: "chip chip-" + (s.state || "unknown"), "data-model-state": s.state,
+        title, text: s.state === "loaded" ? m : m + " · " + (s.state || "?") });
+    };
     const models = el("div", { class: "chips" },
-      w.models.length ? w.models.map((m) => el("span", { class: "chip", text: m }))
+      w.models.length ? w.models.map(chip)
         : [el("span", { class: "muted", text: "no models" })]);
     const state = w.draining
       ? el("span", { class: "badge badge-warn", "data-state": "draining", text: "Draining" })
@@ -166,8 +177,10 @@
       if (!row) row = el("tr", { "data-worker-id": w.id });
       // Rebuild a row only when what it shows changed (the connected-for time is updated
       // in place), so buttons are not swapped under the pointer every second.
-      const signature = JSON.stringify([w.name, w.provider, w.models, w.load, w.max_concurrent,
-        w.draining, w.backend_error, w.requests_served, pending.get(w.id) || ""]);
+      const modelStates = (w.model_states || []).map((m) => [m.model, m.state, m.loads, m.unloads]);
+      const signature = JSON.stringify([w.name, w.provider, w.models, modelStates,
+        w.load, w.max_concurrent, w.draining, w.backend_error, w.requests_served,
+        pending.get(w.id) || ""]);
       if (row.dataset.signature !== signature) {
         row.replaceChildren(...workerCells(w, snap.at));
         row.dataset.signature = signature;
@@ -382,9 +395,10 @@
       const done = b.succeeded + b.errored + b.canceled + b.expired;
       const failed = b.errored + b.canceled + b.expired;
       const pct = b.total ? Math.min(100, Math.round((100 * done) / b.total)) : 0;
-      const status = b.status.replace(/_/g, " ");
+      // As the batch's own API says it (Message Batches: in_progress, canceling, ended).
+      const status = (b.api_status || b.status).replace(/_/g, " ");
       const active = ["validating", "in_progress", "finalizing", "cancelling"].includes(b.status);
-      return el("tr", { "data-batch-id": b.id, "data-status": b.status }, [
+      return el("tr", { "data-batch-id": b.id, "data-status": b.status, "data-api-status": b.api_status }, [
         el("td", {}, [el("div", { class: "strong mono small", text: b.id }),
           el("div", { class: "muted small", text: b.api === "anthropic" ? "Anthropic" : "OpenAI" })]),
         el("td", { class: "small hide-sm", text: b.key || "–" }),
@@ -403,12 +417,24 @@
 
   // ---------------------------------------------------------------- recent requests
 
+  // Its priority class, and how often a higher class took its slot: batch lines run
+  // as flex and are the first preempted.
+  function classCell(r) {
+    const parts = [el("span", { class: "badge class-" + r.class, text: r.class })];
+    if (r.preemptions) {
+      parts.push(el("span", { class: "muted small", title: "lost its slot to a higher class " + r.preemptions + " time(s)",
+        text: " preempted ×" + r.preemptions }));
+    }
+    return el("td", { class: "hide-sm nowrap", "data-class": r.class, "data-preemptions": r.preemptions }, parts);
+  }
+
   function renderRecent(snap) {
     const tbody = document.querySelector("#recent tbody");
-    tbody.replaceChildren(...snap.recent.map((r) => el("tr", { "data-request-id": r.request_id }, [
-      el("td", { class: "mono small", text: fmtClock(r.at) }),
+    tbody.replaceChildren(...snap.recent.map((r) => el("tr", { "data-request-id": r.request_id, "data-ended-at": r.ended_at }, [
+      el("td", { class: "mono small", title: "arrived " + fmtClock(r.at), text: fmtClock(r.ended_at) }),
       el("td", { class: "strong", text: r.model || "–" }),
       el("td", { class: "small hide-sm", text: r.key || "–" }),
+      r.request_id ? classCell(r) : el("td", { class: "hide-sm muted", text: "–" }), // refused: never queued
       el("td", { class: "mono small hide-sm", text: r.endpoint }),
       el("td", { class: "hide-sm", text: r.worker || "–" }),
       el("td", {}, [el("span", { class: "badge status-" + statusClass(r), title: r.outcome.replace(/_/g, " ") }, [

@@ -1,4 +1,4 @@
-// ModelRelay setup wizard: copy buttons, platform tabs, the provider form's two modes,
+// ModelRelay setup wizard: copy buttons, platform tabs, the provider form's modes,
 // and step 4, which asks the server once a second whether the new worker is connected.
 (function () {
   "use strict";
@@ -48,7 +48,7 @@
   if (form) {
     const sync = () => {
       const mode = (form.querySelector('input[name="mode"]:checked') || {}).value || "new";
-      form.querySelectorAll("[data-mode]").forEach((field) => { field.hidden = field.dataset.mode !== mode; });
+      form.querySelectorAll("[data-mode]").forEach((field) => { field.hidden = !field.dataset.mode.split(" ").includes(mode); });
     };
     form.addEventListener("change", sync);
     sync();

@@ -32,7 +32,11 @@ def chat(turns: list[str], system: str = "You are terse. " * 8) -> str:
 
 
 def send(
-    relay: Relay, body: str, headers: dict[str, str] | None = None, path: str = CHAT
+    relay: Relay,
+    body: str,
+    headers: dict[str, str] | None = None,
+    path: str = CHAT,
+    key_id: int | None = None,
 ) -> RelayRequest:
     return relay.submit(
         model="m",
@@ -41,6 +45,7 @@ def send(
         is_streaming=False,
         body=body,
         headers={},
+        key_id=key_id,
         prompt=msgspec.json.decode(body, type=Prompt),
         session=(headers or {}).get("x-session-id"),
     )
@@ -150,6 +155,94 @@ async def test_an_explicit_key_wins_over_the_prompt_blocks():
     assert finish(relay, send(relay, json.dumps(keyed), {"x-session-id": "s2"})) is first
 
 
+KEY_A, KEY_B = 7, 8
+SHARED = dataclasses.replace(
+    FAST, affinity=AffinityConfig(block_bytes=BLOCK, share_across_keys=True)
+)
+
+
+def with_cache_key(body: str, key: str) -> str:
+    return json.dumps(json.loads(body) | {"prompt_cache_key": key})
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-key", "shared"])
+async def test_another_keys_prefix_cache_key_and_session_lead_to_its_worker_only_if_shared(
+    shared: bool,
+):
+    relay = make_relay(SHARED if shared else CONFIG)
+    attach(relay, name="a", max_concurrent=4)
+    attach(relay, name="b", max_concurrent=4)
+
+    def probe(body: str, headers: dict[str, str] | None = None) -> tuple[Worker, Worker]:
+        """Key A sends ``body`` and keeps its worker the busier one (least-load alone
+        would send anything else to the other worker); then key B sends the same."""
+        home = finish(relay, send(relay, body, headers, key_id=KEY_A))
+        home.extra_load = 1
+        theirs = send(relay, body, headers, key_id=KEY_B)
+        assert theirs.affinity is not None
+        assert theirs.affinity.decision == ("hit" if shared else "miss")
+        took = finish(relay, theirs)
+        home.extra_load = 0
+        return home, took
+
+    def talk(n: int, turns: int = 1) -> str:
+        return chat(conversation(n)[:turns], system=f"Persona {n}. " * 8)
+
+    for body, headers in (
+        (talk(1, 3), None),  # the same prompt
+        (with_cache_key(talk(2), "ck"), None),  # the same prompt_cache_key
+        (talk(3), {"x-session-id": "sa"}),  # the same session
+    ):
+        home, took = probe(body, headers)
+        assert (took is home) is shared
+    # A request without a key is in a scope of its own (shared: every key's).
+    again = send(relay, talk(1, 3))
+    assert again.affinity is not None and again.affinity.decision == ("hit" if shared else "miss")
+    await relay.aclose()
+
+
+async def test_a_miss_reported_under_one_key_leaves_another_keys_prefix():
+    relay = make_relay(CONFIG)
+    home, _ = attach(relay, name="a", max_concurrent=4)
+    other, _ = attach(relay, name="b", max_concurrent=4)
+    body = chat(conversation(1)[:3])
+    assert finish(relay, send(relay, body, key_id=KEY_A)) is home
+    other.extra_load = 1  # key B's turns land on ``home`` too (least-load)
+    assert finish(relay, send(relay, body, key_id=KEY_B), cached=0) is home
+    second = send(relay, body, key_id=KEY_B)  # B's own prefix, predicted there
+    assert second.worker is home and second.affinity is not None and second.affinity.predicted
+    held = relay.router.blocks_of(home.id)
+    finish(relay, second, cached=0)  # refuted: B's blocks go, and only B's
+    assert 0 < relay.router.blocks_of(home.id) < held
+    other.extra_load = 0
+    home.extra_load = 1
+    mine = send(relay, body, key_id=KEY_A)
+    assert mine.worker is home and mine.affinity is not None and mine.affinity.decision == "hit"
+    await relay.aclose()
+
+
+def test_each_key_hashes_in_a_scope_of_its_own():
+    config = AffinityConfig(block_bytes=BLOCK)
+    shared = AffinityConfig(block_bytes=BLOCK, share_across_keys=True)
+    raw = json.dumps(
+        {"model": "m", "prompt_cache_key": "k", "messages": [{"role": "user", "content": USER}]}
+    )
+
+    def of(key_id: int | None, cfg: AffinityConfig = config) -> tuple[int | None, list[int], str]:
+        affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", "s", key_id, cfg)
+        assert affinity is not None
+        return affinity.key, affinity.blocks, affinity.anchor()
+
+    scopes = [of(None), of(1), of(2)]
+    for i, one in enumerate(scopes):
+        for two in scopes[i + 1 :]:
+            assert one[0] != two[0] and not set(one[1]) & set(two[1]) and one[2] != two[2]
+    assert of(1) == of(1)  # the same key, the same hashes (any process: the anchor)
+    # Shared: every key hashes as a request without a key does.
+    assert of(1, shared) == of(2, shared) == of(None, shared) == of(None)
+    assert len(of(1)[1]) == len(of(None)[1])
+
+
 async def test_the_guard_spills_a_hot_conversation_to_another_worker():
     relay = make_relay(CONFIG)
     attach(relay, name="a", max_concurrent=8)
@@ -249,7 +342,9 @@ def test_memory_stays_bounded_under_churn_of_distinct_prompts():
             flavor="openai", is_streaming=False, body="", headers={}, key_id=None,
             created_wall=0.0, now=0.0, deadline=1.0,
         )  # fmt: skip
-        request.affinity = router.affinity(msgspec.json.decode(body, type=Prompt), "m", f"k{n}")
+        request.affinity = router.affinity(
+            msgspec.json.decode(body, type=Prompt), "m", f"k{n}", None
+        )
         router.assigned(request, workers[n % 4])
         if n in (3_000, 7_999):
             sizes.append(tracemalloc.get_traced_memory()[0])
@@ -273,7 +368,7 @@ def test_every_prompt_shape_is_cut_into_blocks_and_a_longer_turn_extends_them(pa
 
     def of(doc: dict) -> list[int]:
         raw = json.dumps({"model": "m", **doc})
-        affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", None, config)
+        affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", None, None, config)
         assert affinity is not None
         return affinity.blocks
 
@@ -287,7 +382,9 @@ def test_every_prompt_shape_is_cut_into_blocks_and_a_longer_turn_extends_them(pa
         longer[key] += "y" * 200
     extended = of(longer)
     assert extended[: len(blocks) - 1] == blocks[:-1] and len(extended) > len(blocks)
-    other_model = affinity_of(msgspec.json.decode(json.dumps(body), type=Prompt), "n", None, config)
+    other_model = affinity_of(
+        msgspec.json.decode(json.dumps(body), type=Prompt), "n", None, None, config
+    )
     assert other_model is not None and not set(other_model.blocks) & set(blocks)
 
 
@@ -295,14 +392,14 @@ def test_the_anchor_names_a_conversation_not_its_shared_system_prompt():
     config = AffinityConfig(block_bytes=BLOCK)
 
     def anchor(body: str) -> str:
-        affinity = affinity_of(msgspec.json.decode(body, type=Prompt), "m", None, config)
+        affinity = affinity_of(msgspec.json.decode(body, type=Prompt), "m", None, None, config)
         assert affinity is not None
         return affinity.anchor()
 
     one = conversation(1)
     assert anchor(chat(one[:1])) == anchor(chat(one[:5]))
     assert anchor(chat(one[:1])) != anchor(chat(conversation(2)[:1]))
-    keyed = affinity_of(None, "m", "abc", config)
+    keyed = affinity_of(None, "m", "abc", None, config)
     assert keyed is not None and keyed.anchor() == anchor(
         json.dumps({"model": "m", "prompt_cache_key": "abc", "messages": []})
     )
@@ -311,7 +408,7 @@ def test_the_anchor_names_a_conversation_not_its_shared_system_prompt():
 def test_a_body_of_unexpected_shape_gets_no_blocks_and_no_error():
     config = AffinityConfig(block_bytes=BLOCK)
     prompt = msgspec.json.decode(b'{"model": "m", "messages": 5}', type=Prompt)
-    affinity = affinity_of(prompt, "m", None, config)
+    affinity = affinity_of(prompt, "m", None, None, config)
     assert affinity is not None and affinity.blocks == [] and affinity.anchor()
 
 
@@ -320,7 +417,7 @@ def test_a_prefix_is_measured_in_the_prompt_bytes_it_covers():
     system = "s" * 150  # as JSON: 152 bytes, three blocks (64, 64, 24)
     messages = [{"role": "user", "content": "u" * 270}]  # 300 bytes: four full blocks
     raw = json.dumps({"model": "m", "system": system, "messages": messages})
-    affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", None, config)
+    affinity = affinity_of(msgspec.json.decode(raw, type=Prompt), "m", None, None, config)
     assert affinity is not None and len(affinity.blocks) == 3 + 4
     body = len(json.dumps(messages))
     assert affinity.size == 152 + body

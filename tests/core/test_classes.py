@@ -3,6 +3,7 @@ and preempt-and-requeue before the first byte only."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -139,36 +140,36 @@ async def test_a_flood_of_bulk_work_never_fills_the_queue_for_people():
     await relay.aclose()
 
 
+def waiting(seq: int, service_class: str, requeued: bool = False) -> RelayRequest:
+    """A request as the queue sees it (``requeued``: it was dispatched before)."""
+    r = RelayRequest(
+        id=f"r{seq}",
+        seq=seq,
+        provider="p",
+        model="m",
+        endpoint_path="/v1/chat/completions",
+        flavor="openai",
+        is_streaming=False,
+        body="{}",
+        headers={},
+        key_id=None,
+        created_wall=0.0,
+        now=0.0,
+        deadline=1e9,
+    )
+    r.service_class = service_class
+    r.rank = classes.RANK[service_class]
+    r.worker_id = "w" if requeued else None
+    return r
+
+
 def test_a_request_waiting_past_the_aging_bound_counts_one_class_higher():
     now = [0.0]
     queue = ClassedQueue(aging=10.0, clock=lambda: now[0])
-    relay_requests = []
-
-    def request(seq: int, service_class: str) -> RelayRequest:
-        r = RelayRequest(
-            id=f"r{seq}",
-            seq=seq,
-            provider="p",
-            model="m",
-            endpoint_path="/v1/chat/completions",
-            flavor="openai",
-            is_streaming=False,
-            body="{}",
-            headers={},
-            key_id=None,
-            created_wall=0.0,
-            now=0.0,
-            deadline=1e9,
-        )
-        r.service_class = service_class
-        r.rank = classes.RANK[service_class]
-        relay_requests.append(r)
-        return r
-
-    old_flex = request(1, "flex")
+    old_flex = waiting(1, "flex")
     queue.push(old_flex)
     now[0] = 5.0
-    default = request(2, "default")
+    default = waiting(2, "default")
     queue.push(default)
     models = frozenset({"m"})
     assert queue.next_for(models) is default
@@ -181,12 +182,87 @@ def test_a_request_waiting_past_the_aging_bound_counts_one_class_higher():
     assert queue.pop_for(models) is default
     assert len(queue) == 0
     # ... and on to priority after another bound: nothing starves.
-    late = request(3, "flex")
+    late = waiting(3, "flex")
     queue.push(late)
     now[0] = 40.0
-    queue.push(request(4, "priority"))
+    queue.push(waiting(4, "priority"))
     assert queue.pop_for(models) is late  # promoted twice, ahead of the newer priority
     assert late.rank == 0
+
+
+AGING = 0.1
+AGED = dataclasses.replace(FAST, priority_aging=AGING)
+
+
+async def until_aged(relay: Relay) -> None:
+    """Until the one queued request, a flex one, counts as default (a few real ms past
+    the shrunk bound)."""
+    queue = relay.providers["local"].queue
+    async with asyncio.timeout(5):
+        while queue.depth_by_class() != {"priority": 0, "default": 1, "flex": 0}:
+            await asyncio.sleep(AGING / 4)
+
+
+async def test_a_flex_request_dispatched_after_aging_is_not_preempted_by_later_work():
+    relay = make_relay(AGED)
+    worker, link = attach(relay)
+    busy = submit(relay, "default")
+    aged = submit(relay, "flex")
+    await until_aged(relay)
+    complete(relay, worker, busy.id)
+    assert link.requests[-1].request_id == aged.id and aged.rank == classes.RANK["default"]
+    # Work that arrived after it crossed the aging bound does not pass it: a default
+    # request waits (it counts as default itself), a priority request too (only what
+    # counts as flex now loses its slot).
+    later = [submit(relay, "default"), submit(relay, "priority")]
+    assert link.cancels == [] and all(r.phase is Phase.QUEUED for r in later)
+    assert relay.stats.preemptions == 0
+    complete(relay, worker, aged.id)
+    assert (await aged.next_events())[-1] == Completion(200, {}, b"{}")
+    assert link.requests[-1].request_id == later[1].id
+    await relay.aclose()
+
+
+async def test_the_slot_a_preemption_frees_goes_to_an_aged_request_which_keeps_it():
+    relay = make_relay(AGED)
+    worker, link = attach(relay)
+    victim = submit(relay, "flex")
+    aged = submit(relay, "flex")
+    await until_aged(relay)
+    # A default request that arrives after the waiting flex one aged takes the slot of
+    # the running flex one (it counts as flex), for the aged one: it was first.
+    person = submit(relay, "default")
+    assert [c.request_id for c in link.cancels] == [victim.id]
+    assert link.requests[-1].request_id == aged.id
+    assert person.phase is Phase.QUEUED and victim.phase is Phase.QUEUED
+    # ... and what that decision placed is never preempted, then or later.
+    urgent = submit(relay, "priority")
+    assert [c.request_id for c in link.cancels] == [victim.id]
+    assert aged.preemptions == 0 and urgent.phase is Phase.QUEUED
+    for following in (aged, urgent, person, victim):
+        assert link.requests[-1].request_id == following.id
+        complete(relay, worker, following.id)
+    assert relay.stats.preemptions == 1
+    await relay.aclose()
+
+
+def test_nothing_that_arrived_after_a_request_aged_passes_it():
+    """The order the cluster's shared queue keeps too (test_cluster_routing)."""
+    now = [0.0]
+    queue = ClassedQueue(aging=10.0, clock=lambda: now[0])
+    early = waiting(1, "default", requeued=True)  # put back: it arrived first
+    flex, late, new = (
+        waiting(2, "flex"),
+        waiting(3, "default", requeued=True),
+        waiting(4, "default"),
+    )
+    queue.push(flex)
+    now[0] = 14.0
+    for request in (early, late, new):
+        queue.push(request)
+    now[0] = 19.0  # the flex one counts as default since 10; the others are not aged
+    models = frozenset({"m"})
+    assert [queue.pop_for(models) for _ in range(4)] == [early, flex, late, new]
 
 
 async def test_a_cancelled_or_finished_request_leaves_nothing_in_the_queue():

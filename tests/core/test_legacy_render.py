@@ -12,12 +12,18 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from relay.core.legacy import oldapi
 from relay.core.legacy.render import estimate_tokens, rendering
 from relay.core.legacy.tasks import translate
+from relay.wire import errors
 from relay.wire.errors import (
     BadRequest,
+    ConcurrencyLimited,
+    DailyQuotaExceeded,
+    KeyExpired,
     ModelNotFound,
     ProviderDisabled,
     QueueFull,
     QueueTimeout,
+    RelayError,
+    RequestRateLimited,
     RequestTimeout,
     RequeueExhausted,
     Unauthorized,
@@ -165,16 +171,41 @@ def test_malformed_old_requests_are_bad_requests(document):
         oldapi.parse_request(document)
 
 
-def test_relay_errors_map_to_the_old_messages():
+def test_relay_errors_map_to_the_old_messages_where_they_say_what_happened():
     assert oldapi.old_error(Unauthorized()) == "unauthorized"
+    assert oldapi.old_error(KeyExpired()) == "unauthorized"
     assert oldapi.old_error(ModelNotFound("x")) == "unknown model"
     assert oldapi.old_error(BadRequest("x")) == "invalid request"
-    for waiting in (QueueFull(), QueueTimeout(), ProviderDisabled(), RequeueExhausted()):
-        assert oldapi.old_error(waiting) == "timeout waiting for node"
-    for running in (RequestTimeout(), WorkerLost(), WorkerFailed()):
-        assert oldapi.old_error(running) == "timeout waiting for finish"
+    assert oldapi.old_error(QueueTimeout()) == "timeout waiting for node"
+    assert oldapi.old_error(RequestTimeout()) == "timeout waiting for finish"
     assert oldapi.status_error(400) == "invalid request"
-    assert oldapi.status_error(503) == "timeout waiting for finish"
+
+
+def test_relay_errors_the_old_broker_had_no_message_for_say_what_happened():
+    assert oldapi.old_error(RequestRateLimited(retry_after=3)) == "rate limit of this key exceeded"
+    assert oldapi.old_error(ConcurrencyLimited()) == "too many requests at once for this key"
+    assert oldapi.old_error(DailyQuotaExceeded()) == "token budget of this key spent"
+    assert oldapi.old_error(QueueFull()) == "queue full"
+    assert oldapi.old_error(ProviderDisabled()) == "provider disabled"
+    assert oldapi.old_error(RequeueExhausted()) == "nodes lost, gave up"
+    assert oldapi.old_error(WorkerLost()) == "node lost"
+    assert oldapi.old_error(WorkerFailed()) == "node failed"
+    assert oldapi.status_error(503) == "backend error 503"
+    # Every error of the tree has its own message: none falls through to the last
+    # resort, and only the two deadlines speak of a timeout.
+    tree: list[type[RelayError]] = []
+    pending: list[type[RelayError]] = [RelayError]
+    while pending:
+        kind = pending.pop()
+        tree.append(kind)
+        pending += kind.__subclasses__()
+    for kind in tree:
+        if kind in (RelayError, errors.ProtocolError):
+            continue  # never an answer to a client
+        err = kind.__new__(kind)
+        message = oldapi.old_error(err)
+        assert message != "relay error", kind
+        assert ("timeout" in message) == issubclass(kind, errors.GatewayTimeout), kind
 
 
 def test_ndjson_lines_are_one_object_each():

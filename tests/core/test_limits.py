@@ -8,6 +8,7 @@ from collections.abc import Collection
 import pytest
 
 from relay.core.limits import (
+    MAX_RESERVATION,
     KeyLimits,
     Limit,
     Limiter,
@@ -15,6 +16,7 @@ from relay.core.limits import (
     Periods,
     Refusal,
     periods,
+    reservation,
     tokens_of,
 )
 from relay.core.limitstore import MemoryLimitStore
@@ -185,6 +187,102 @@ async def test_checks_run_in_order_and_a_refusal_counts_nothing():
         await gate.admit(1, limits, "m")
 
 
+async def test_a_budget_counts_what_requests_in_flight_reserved_until_each_settles():
+    """A 10-token budget and requests that may cost 100: the first is admitted, the next
+    waits for it to end; what it really cost is charged, the rest given back."""
+    relay = make_relay()
+    worker, _ = attach(relay, max_concurrent=4)
+    gate = limiter()
+    store = gate.store
+    assert isinstance(store, MemoryLimitStore)
+    limits = KeyLimits(tokens_per_day=10)
+
+    async def submit(tokens: int = 100):
+        return relay.submit(
+            model="m",
+            endpoint_path="/v1/chat/completions",
+            flavor="openai",
+            is_streaming=False,
+            body="{}",
+            headers={},
+            key_id=1,
+            ticket=await gate.admit(1, limits, "m", tokens),
+        )
+
+    first = await submit()
+    assert first.ticket is not None and first.ticket.reserved == 100
+    assert store.reserved == {1: 100}
+    with pytest.raises(DailyQuotaExceeded):  # 0 spent + 100 reserved: nothing more now
+        await submit()
+    relay.on_complete(
+        worker,
+        protocol.ResponseComplete(
+            request_id=first.id,
+            status_code=200,
+            token_counts=protocol.TokenCounts(prompt_tokens=2, completion_tokens=2),
+        ),
+    )
+    assert store.reserved == {} and await gate.spend([1]) == {1: (4, 4)}
+    second = await submit()  # 4 spent: under budget again
+    relay.cancel(second)  # cancelled: its reservation is released, nothing charged
+    failed = await submit()
+    relay.on_worker_error(worker, protocol.Error(request_id=failed.id, message="boom"))
+    assert (failed.status, store.reserved) == (502, {})
+    assert await gate.spend([1]) == {1: (4, 4)}
+    last = await submit(6)  # 4 + 6 = 10: the budget is spent once it is admitted
+    with pytest.raises(DailyQuotaExceeded):
+        await submit(1)
+    last.ticket.close()
+    (await gate.admit(1, limits, "m", 1)).close()
+
+
+async def test_a_request_that_cost_less_than_it_reserved_gives_the_rest_back():
+    gate = limiter()
+    limits = KeyLimits(tokens_per_day=250, tokens_per_month=10_000)
+    running = [await gate.admit(1, limits, "m", 100) for _ in range(3)]  # 0, 100, 200 < 250
+    with pytest.raises(DailyQuotaExceeded):  # 300 reserved
+        await gate.admit(1, limits, "m", 100)
+    running[0].close(protocol.TokenCounts(total_tokens=12))  # 12 spent + 200 reserved
+    running.append(await gate.admit(1, limits, "m", 100))
+    with pytest.raises(DailyQuotaExceeded):
+        await gate.admit(1, limits, "m", 100)
+    for ticket in running[1:]:
+        ticket.close(protocol.TokenCounts(total_tokens=1))
+    assert gate.store.reserved == {}  # type: ignore[attr-defined]
+    assert await gate.spend([1]) == {1: (15, 15)}
+    # The month counts reservations too.
+    month = KeyLimits(tokens_per_month=50)
+    held = await gate.admit(2, month, "m", 60)
+    with pytest.raises(MonthlyQuotaExceeded):
+        await gate.admit(2, month, "m", 1)
+    held.close()
+
+
+async def test_only_keys_with_a_budget_reserve_and_a_refusal_reserves_nothing():
+    gate = limiter()
+    store = gate.store
+    assert isinstance(store, MemoryLimitStore)
+    unbudgeted = await gate.admit(1, KeyLimits(max_concurrent=5), "m", 100)
+    assert unbudgeted.reserved == 0 and store.reserved == {}
+    unbudgeted.close()
+    limits = KeyLimits(tokens_per_day=1000, max_concurrent=1)
+    held = await gate.admit(2, limits, "m", 100)
+    with pytest.raises(ConcurrencyLimited):  # refused after the budget check: no reservation
+        await gate.admit(2, limits, "m", 100)
+    assert store.reserved == {2: 100}
+    held.close()
+    held.close()  # once
+    assert store.reserved == {} and store.slots == {}
+
+
+def test_a_reservation_is_the_most_output_asked_for_plus_the_prompt():
+    assert reservation(0) == 0
+    assert reservation(10, None, 100, 30) == 100 + 3  # 10 bytes of prompt: 3 tokens
+    assert reservation(4, True, 2.5, "9", -5, 7) == 7 + 1  # only positive integers count
+    assert reservation(0, 10**30) == MAX_RESERVATION
+    assert reservation(10**12) == MAX_RESERVATION
+
+
 class _DownStore(MemoryLimitStore):
     async def acquire(self, *args: object) -> Refusal | None:
         raise LimitStoreUnavailable("connection refused")
@@ -195,9 +293,10 @@ class _DownStore(MemoryLimitStore):
 
 async def test_when_the_store_is_down_requests_pass_without_the_counted_limits():
     gate = Limiter(_DownStore(), clock=Clock())
-    limits = KeyLimits(max_concurrent=1, allowed_models=frozenset({"m"}))
-    first, second = await gate.admit(1, limits, "m"), await gate.admit(1, limits, "m")
+    limits = KeyLimits(max_concurrent=1, tokens_per_day=10, allowed_models=frozenset({"m"}))
+    first, second = await gate.admit(1, limits, "m"), await gate.admit(1, limits, "m", 50)
     assert not first.held and gate.store_failures == 2
+    assert second.reserved == 0  # nothing was reserved anywhere
     with pytest.raises(ModelNotAllowed):  # what needs no store still holds
         await gate.admit(1, limits, "other")
     first.close()

@@ -29,6 +29,8 @@ class Span:
     span_id: str
     parent_id: str
     kind: int
+    #: W3C ``tracestate`` of the span's context ("" when none).
+    trace_state: str
     start: int
     end: int
     attributes: dict[str, Any]
@@ -85,6 +87,7 @@ class Receiver:
                             span_id=span.span_id.hex(),
                             parent_id=span.parent_span_id.hex(),
                             kind=span.kind,
+                            trace_state=span.trace_state,
                             start=span.start_time_unix_nano,
                             end=span.end_time_unix_nano,
                             attributes={a.key: _value(a.value) for a in span.attributes},

@@ -3,11 +3,80 @@ socket: bounds, labels, merging across workers, and what a bad sample gets."""
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay.server.federation import Federation, count_series
+from relay.server import federation as federation_module
+from relay.server.federation import Federation, Job, count_series, render_workers
 from relay.wire.protocol import MetricsSample
 from tests.fleet.backends import LLAMA_SERVER, VLLM
+
+#: A histogram as vLLM writes it, beside the gauges and counters of :data:`VLLM`.
+VLLM_HISTOGRAM = """\
+# HELP vllm:e2e_request_latency_seconds Histogram of end to end request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="1.0",model_name="mock-model"} 3.0
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="mock-model"} 4.0
+vllm:e2e_request_latency_seconds_count{model_name="mock-model"} 4.0
+vllm:e2e_request_latency_seconds_sum{model_name="mock-model"} 3.5
+"""
+HONEST = LLAMA_SERVER + VLLM + VLLM_HISTOGRAM
+
+#: Families of the names an honest backend's families hold, each of another type: the
+#: same name (counters are named without ``_total`` by the parser), a counter's
+#: ``_total`` and ``_created``, a histogram's ``_count``, a sample with no type line,
+#: and a family of its own that conflicts with nobody.
+HOSTILE = """\
+# TYPE llamacpp:prompt_tokens gauge
+llamacpp:prompt_tokens 5
+# TYPE llamacpp:n_decode_total gauge
+llamacpp:n_decode_total 6
+# TYPE vllm:prompt_tokens_created gauge
+vllm:prompt_tokens_created 7
+# TYPE vllm:e2e_request_latency_seconds_count_total counter
+vllm:e2e_request_latency_seconds_count_total 8
+llamacpp:kv_cache_usage_ratio 9
+# TYPE vllm:num_requests_running histogram
+vllm:num_requests_running_bucket{le="+Inf"} 1
+vllm:num_requests_running_count 1
+vllm:num_requests_running_sum 1
+# TYPE hostile_own_series gauge
+hostile_own_series 10
+# HELP llamacpp:kv_cache_tokens Another help text.
+# TYPE llamacpp:kv_cache_tokens gauge
+llamacpp:kv_cache_tokens 11
+"""
+HOSTILE_FAMILIES = 6
+#: The families of :data:`HOSTILE` that hold nobody's names: served.
+HOSTILE_SERVED = {"hostile_own_series", "llamacpp:kv_cache_tokens"}
+
+#: (family, type, sample name, labels, value, help text)
+Series = tuple[str, str, str, tuple[tuple[str, str], ...], float, str]
+
+
+def exposition(body: bytes) -> set[Series]:
+    """The whole exposition checked as a scraper reads it: it parses with
+    prometheus-client's parser, and each name has one TYPE line and one family (two
+    blocks of a name would be one family of mixed types to a scraper); every series
+    as (family, type, sample name, labels, value)."""
+    text = body.decode()
+    typed = re.findall(r"^# TYPE (\S+) ", text, flags=re.MULTILINE)
+    assert len(typed) == len(set(typed)), sorted(n for n in typed if typed.count(n) > 1)
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    return {
+        (f.name, f.type, s.name, tuple(sorted(s.labels.items())), s.value, f.documentation)
+        for f in families
+        for s in f.samples
+    }
+
+
+def of_worker(series: set[Series], worker_id: str) -> set[Series]:
+    return {
+        s for s in series if ("worker_id", worker_id) in s[3] and not s[0].startswith("modelrelay_")
+    }
 
 
 def parsed(body: bytes) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -107,11 +176,111 @@ async def test_a_sample_that_does_not_parse_is_dropped_and_reported_once() -> No
 
 async def test_a_family_typed_differently_by_another_worker_is_left_out_and_counted() -> None:
     fed = federation()
-    fed.receive("w-1", "a", "local", MetricsSample(text="# TYPE depth gauge\ndepth 1\n"))
-    fed.receive("w-2", "b", "local", MetricsSample(text="# TYPE depth counter\ndepth_total 1\n"))
+    fed.receive("w-1", "b", "local", MetricsSample(text="# TYPE depth gauge\ndepth 1\n"))
+    fed.receive(
+        "w-2", "a", "local", MetricsSample(text="# TYPE depth_total counter\ndepth_total 1\n")
+    )
     series = parsed((await fed.render())[0])
-    assert [s["worker"] for s, _ in series["depth"]] == ["a"]
-    assert series["modelrelay_worker_metrics_type_conflicts"][0][1] == 1
+    assert [s["worker"] for s, _ in series["depth"]] == ["b"]
+    conflicts = {s["worker"]: v for s, v in series["modelrelay_worker_metrics_type_conflicts"]}
+    assert conflicts == {"a": 1, "b": 0}
+
+
+async def test_a_worker_named_to_sort_first_changes_nothing_of_what_an_earlier_worker_renders() -> (
+    None
+):
+    alone = federation()
+    alone.receive("w-1", "gpu-a", "local", MetricsSample(text=HONEST))
+    honest = of_worker(exposition((await alone.render())[0]), "w-1")
+    assert len(honest) == 22  # every series of both backends, the histogram's too
+    fed = federation()
+    fed.receive("w-1", "gpu-a", "local", MetricsSample(text=HONEST))
+    fed.receive("w-2", "000-evil", "local", MetricsSample(text=HOSTILE))
+    body, told = await fed.render()
+    series = exposition(body)
+    assert of_worker(series, "w-1") == honest
+    # Of the hostile worker only the families that hold nobody else's names are
+    # served, and the help text of the family both declare is the first one's.
+    assert {s[0] for s in of_worker(series, "w-2")} == HOSTILE_SERVED
+    [(worker_id, refusal)] = told
+    assert worker_id == "w-2"
+    assert refusal.reason.startswith(f"{HOSTILE_FAMILIES} of its families left out")
+    assert "llamacpp:prompt_tokens (gauge)" in refusal.reason
+    conflicts = {s[3]: s[4] for s in series if s[0].endswith("type_conflicts")}
+    assert sorted(conflicts.values()) == [0, HOSTILE_FAMILIES]
+    assert fed.rejected == 0  # the sample was not dropped, only those families
+    # The next scrape of the same samples renders the same, and tells nobody again.
+    again, told = await fed.render()
+    assert of_worker(exposition(again), "w-1") == honest and told == []
+
+
+async def test_the_family_declared_first_is_served_whichever_worker_sorts_first() -> None:
+    fed = federation()
+    fed.receive("w-1", "000-evil", "local", MetricsSample(text=HOSTILE))
+    fed.receive("w-2", "gpu-a", "local", MetricsSample(text=HONEST))
+    body, told = await fed.render()
+    # Declared first, the other worker's families are served; the later ones left out.
+    served = {s[0] for s in of_worker(exposition(body), "w-1")}
+    assert "llamacpp:prompt_tokens" in served and len(served) == HOSTILE_FAMILIES + 2
+    assert [w for w, _ in told] == ["w-2"]
+    # When that worker leaves, the families it held go to the next one declaring them.
+    fed.forget("w-1")
+    alone = federation()
+    alone.receive("w-2", "gpu-a", "local", MetricsSample(text=HONEST))
+    series = exposition((await fed.render())[0])
+    assert of_worker(series, "w-2") == of_worker(exposition((await alone.render())[0]), "w-2")
+
+
+async def test_a_worker_there_first_cannot_take_a_family_over_by_declaring_it_later() -> None:
+    fed = federation()
+    fed.receive("w-1", "000-old", "local", MetricsSample(text="other 1\n"))
+    fed.receive("w-2", "gpu-a", "local", MetricsSample(text="# TYPE depth gauge\ndepth 1\n"))
+    assert {s[0] for s in of_worker(exposition((await fed.render())[0]), "w-2")} == {"depth"}
+    # Its new sample declares the name with another type: later, so left out.
+    fed.receive("w-1", "000-old", "local", MetricsSample(text="# TYPE depth counter\ndepth 2\n"))
+    body, told = await fed.render()
+    series = exposition(body)
+    assert {s[0] for s in of_worker(series, "w-2")} == {"depth"}
+    assert of_worker(series, "w-1") == set()
+    assert [w for w, _ in told] == ["w-1"]
+
+
+def test_a_new_rendering_process_serves_the_family_of_the_worker_that_began_first() -> None:
+    federation_module._parsed.clear()  # what a rendering process started anew knows
+    jobs = [
+        Job("w-1", "000-late", "local", "# TYPE q counter\nq 1\n", 50.0, 99.0),
+        Job("w-2", "box", "local", "# TYPE q gauge\nq 1\n", 10.0, 100.0),
+    ]
+    rendered = render_workers(jobs)
+    assert rendered.left_out == {"w-1": ["q (counter)"]}
+    assert [s[0] for s in exposition(rendered.body)] == ["q"]
+    federation_module._parsed.clear()
+
+
+async def test_a_quoted_name_the_exposition_would_write_escaped_does_not_parse() -> None:
+    fed = federation()
+    fed.receive("w-1", "gpu-a", "local", MetricsSample(text="# TYPE a_b gauge\na_b 1\n"))
+    hostile = [
+        '# TYPE "a.b" counter\n{"a.b"} 2\n',  # written as a_b_total, read back as a_b
+        '{"x", "l.b"="1", l_b="2"} 1\n',  # one series with two labels named l_b
+    ]
+    for n, text in enumerate(hostile, start=2):
+        fed.receive(f"w-{n}", f"000-{n}", "local", MetricsSample(text=text))
+    body, told = await fed.render()
+    assert sorted(w for w, _ in told) == ["w-2", "w-3"]
+    assert all("not a name of the Prometheus text format" in r.reason for _, r in told)
+    assert {s[0] for s in of_worker(exposition(body), "w-1")} == {"a_b"}
+
+
+async def test_a_family_of_a_type_the_text_format_does_not_have_does_not_parse() -> None:
+    fed = federation()
+    for n, kind in enumerate(("info", "stateset", "gaugehistogram")):
+        text = f"# TYPE x{n} {kind}\nx{n} 1\n"
+        fed.receive(f"w-{n}", f"box-{n}", "local", MetricsSample(text=text))
+    body, told = await fed.render()
+    assert sorted(w for w, _ in told) == ["w-0", "w-1", "w-2"]
+    assert all("does not parse" in refusal.reason for _, refusal in told)
+    assert of_worker(exposition(body), "w-0") == set()
 
 
 def test_samples_sent_faster_than_one_a_second_are_dropped_unread() -> None:

@@ -11,6 +11,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fleet.backends import LLAMA_SERVER
+from tests.fleet.test_federation import (
+    HONEST,
+    HOSTILE,
+    HOSTILE_FAMILIES,
+    HOSTILE_SERVED,
+    Series,
+    exposition,
+    of_worker,
+)
 from tests.live import live_server
 from tests.test_e2e import poll, running_worker, workers_connected
 from tests.upstream import upstream_in_thread
@@ -97,3 +106,59 @@ def test_an_oversized_sample_is_dropped_and_the_worker_stays_connected(tmp_path:
             )
             assert answer.status_code == 200
             assert worker.log.count("connected to proxy") == 1
+
+
+def checked(url: str) -> set[Series]:
+    """``/metrics/workers`` checked whole as a scraper reads it (:func:`exposition`)."""
+    answer = httpx.get(
+        url + "/metrics/workers", headers={"authorization": f"Bearer {TOKEN}"}, timeout=5
+    )
+    assert answer.status_code == 200, answer.text
+    return exposition(answer.content)
+
+
+def worker_ids(url: str) -> dict[str, str]:
+    """Worker name -> worker id, from the relay's own series about the samples."""
+    return {
+        dict(labels)["worker"]: dict(labels)["worker_id"]
+        for name, _, _, labels, _, _ in checked(url)
+        if name == "modelrelay_worker_metrics_series"
+    }
+
+
+def test_a_worker_named_to_sort_first_cannot_hide_an_earlier_workers_families(
+    tmp_path: Path,
+) -> None:
+    with (
+        upstream_in_thread() as honest_up,
+        upstream_in_thread() as hostile_up,
+        live_server(tmp_path / "server", MODELRELAY_METRICS_TOKEN=TOKEN) as server,
+    ):
+        honest_up.upstream.metrics_text = HONEST
+        hostile_up.upstream.metrics_text = HOSTILE
+        with running_worker(server, honest_up.url, "--worker-name", "gpu-a", *FAST_METRICS):
+            poll(lambda: "gpu-a" in worker_ids(server.url), what="the first worker's series")
+            honest_id = worker_ids(server.url)["gpu-a"]
+            alone = of_worker(checked(server.url), honest_id)
+            assert len(alone) == 22
+            with running_worker(
+                server, hostile_up.url, "--worker-name", "000-evil", *FAST_METRICS
+            ) as hostile:
+                poll(
+                    lambda: "000-evil" in worker_ids(server.url), what="the second worker's series"
+                )
+                hostile_id = worker_ids(server.url)["000-evil"]
+                poll(
+                    lambda: of_worker(checked(server.url), hostile_id) != set(),
+                    what="a scrape of the second worker's sample",
+                )
+                series = checked(server.url)
+                assert of_worker(series, honest_id) == alone
+                assert {s[0] for s in of_worker(series, hostile_id)} == HOSTILE_SERVED
+                conflicts = {
+                    dict(s[3])["worker"]: s[4] for s in series if s[0].endswith("type_conflicts")
+                }
+                assert conflicts == {"gpu-a": 0, "000-evil": HOSTILE_FAMILIES}
+                hostile.wait_for_log("families left out")
+                assert "llamacpp:prompt_tokens (gauge)" in hostile.log
+                assert workers_connected(server) == 2

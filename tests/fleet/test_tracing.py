@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
-from relay.server.tracing import Tracing, from_environment
+from relay.core.keycache import KeyCache, KnownKey
+from relay.server.tracing import NullTracing, Tracing, from_environment
 from relay.wire import protocol
-from relay.wire.telemetry import exporters
+from relay.wire.telemetry import Traces, exporters
 from tests.corekit import attach, make_relay
 from tests.live import ROOT
 
 CHAT = "/v1/chat/completions"
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def test_tracing_is_off_unless_the_standard_environment_asks_for_it() -> None:
@@ -25,7 +28,7 @@ def test_tracing_is_off_unless_the_standard_environment_asks_for_it() -> None:
     assert exporters({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}) == []
     disabled = {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}
     assert exporters(disabled) == []
-    assert from_environment({}) is None
+    assert isinstance(from_environment({}, clock=time.monotonic), NullTracing)
 
 
 def test_with_tracing_off_no_tracing_module_is_loaded_by_server_or_worker() -> None:
@@ -42,7 +45,7 @@ def test_with_tracing_off_no_tracing_module_is_loaded_by_server_or_worker() -> N
         "async def main():\n"
         "    from relay.server.runtime import Runtime\n"
         "    rt = Runtime(asyncio.get_running_loop())\n"
-        "    assert rt.tracing is None and rt.relay.tracer is None\n"
+        "    assert type(rt.tracing).__name__ == 'NullTracing' and rt.relay.tracer is rt.tracing\n"
         "    await rt.aclose()\n"
         "asyncio.run(main())\n"
         "print(sorted(m for m in sys.modules if m.startswith(TRACING)))\n"
@@ -66,16 +69,16 @@ def traced_relay() -> tuple[Any, Any, Any]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracing = Tracing(provider)
     relay = make_relay()
+    keys = KeyCache("pepper")
+    keys.replace({"mrk_team": KnownKey(id=1, key_hash="", name="team-a")})
+    tracing = Tracing(Traces(provider, "modelrelay"), relay.loop.time, keys)
     relay.tracer = tracing
     return relay, tracing, exporter
 
 
-def traced_submit(relay: Any, tracing: Tracing, key: str | None = None) -> Any:
-    trace = tracing.begin(
-        [(b"authorization", b"Bearer mr_secret-key-value")], "POST", CHAT, relay.loop.time()
-    )
+def traced_submit(relay: Any, tracing: Tracing, key_id: int | None = None) -> Any:
+    trace = tracing.begin([(b"authorization", b"Bearer mr_secret-key-value")], "POST", CHAT)
     request = relay.submit(
         model="m",
         endpoint_path=CHAT,
@@ -83,9 +86,10 @@ def traced_submit(relay: Any, tracing: Tracing, key: str | None = None) -> Any:
         is_streaming=False,
         body='{"model":"m"}',
         headers={"content-type": "application/json"},
+        key_id=key_id,
         trace=trace,
     )
-    tracing.admitted(trace, request, key)
+    tracing.admitted(trace, request)
     return request
 
 
@@ -93,7 +97,7 @@ async def test_a_request_lost_with_its_worker_gets_a_second_dispatch_in_the_same
     relay, tracing, exporter = traced_relay()
     try:
         first, first_link = attach(relay, name="first")
-        request = traced_submit(relay, tracing, key="team-a")
+        request = traced_submit(relay, tracing, key_id=1)
         [sent] = first_link.requests
         relay.detach_worker(first, "connection lost")  # no byte yet: requeued
         second, second_link = attach(relay, name="second")
@@ -135,7 +139,7 @@ async def test_a_request_lost_with_its_worker_gets_a_second_dispatch_in_the_same
 async def test_a_refused_request_ends_its_trace_with_the_error() -> None:
     relay, tracing, exporter = traced_relay()
     try:
-        trace = tracing.begin([], "POST", CHAT, relay.loop.time())
+        trace = tracing.begin([], "POST", CHAT)
         tracing.rejected(trace, 429, "queue_full", "m")
     finally:
         await relay.aclose()
@@ -144,3 +148,101 @@ async def test_a_refused_request_ends_its_trace_with_the_error() -> None:
     assert root.attributes["http.response.status_code"] == 429
     assert root.attributes["relay.outcome"] == "queue_full"
     assert not root.status.is_ok and not spans["admission"].status.is_ok
+
+
+# -- a tracing failure never reaches a request ------------------------------------------
+
+
+class FailingTracer:
+    """Wraps an SDK tracer: the ``at``-th call to it or to a method of its spans raises."""
+
+    SPAN_METHODS = (
+        "end",
+        "get_span_context",
+        "is_recording",
+        "set_attribute",
+        "set_attributes",
+        "set_status",
+    )
+
+    def __init__(self, inner: Any, at: int) -> None:
+        self.inner = inner
+        self.at = at
+        self.calls = 0
+
+    def tick(self) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("a bug in tracing")
+
+    def start_span(self, *args: Any, **kwargs: Any) -> Any:
+        self.tick()
+        span = self.inner.start_span(*args, **kwargs)
+        for name in self.SPAN_METHODS:  # (on the instance: propagation checks its type)
+            setattr(span, name, self.failing(getattr(span, name)))
+        return span
+
+    def failing(self, method: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.tick()
+            return method(*args, **kwargs)
+
+        return call
+
+
+async def one_request_failing_at(at: int) -> int:
+    """A traced request whose tracer fails at its ``at``-th call (0: never), served to
+    the end: asserts it went as without tracing; returns the calls it made."""
+    relay, tracing, _ = traced_relay()
+    failing = FailingTracer(tracing.tracer, at)
+    tracing.tracer = failing
+    try:
+        worker, link = attach(relay)
+        request = traced_submit(relay, tracing, key_id=1)
+        [sent] = link.requests
+        assert sent.headers["content-type"] == "application/json"
+        relay.on_complete(
+            worker,
+            protocol.ResponseComplete(request_id=request.id, status_code=200, body="{}"),
+        )
+        assert (request.status, request.outcome) == (200, "ok")
+        refused = tracing.begin([], "POST", CHAT)
+        tracing.rejected(refused, 429, "queue_full", "m")
+    finally:
+        await relay.aclose()
+    return failing.calls
+
+
+async def test_a_failure_at_any_step_of_tracing_leaves_the_request_as_it_was() -> None:
+    calls = await one_request_failing_at(0)
+    assert calls > 10
+    for at in range(1, calls + 1):
+        await one_request_failing_at(at)
+
+
+def test_a_failure_in_the_workers_tracing_leaves_the_backend_call_as_it_was() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from relay.worker.tracing import WorkerTracing
+
+    tracing = WorkerTracing(Traces(TracerProvider(), "modelrelay-worker"))
+    real = tracing.tracer
+    at, calls = 0, None
+    while calls is None or at <= calls:
+        failing = FailingTracer(real, at)
+        tracing.tracer = failing
+        request = protocol.Request(
+            request_id="r-1",
+            model="m",
+            endpoint_path=CHAT,
+            is_streaming=False,
+            body="{}",
+            headers={"content-type": "application/json", "traceparent": TRACEPARENT},
+        )
+        span = tracing.start(request)
+        tracing.end(span, protocol.ResponseComplete(request_id="r-1", status_code=200))
+        assert request.headers["content-type"] == "application/json"
+        assert request.headers["traceparent"].split("-")[1] == TRACEPARENT.split("-")[1]
+        if calls is None:
+            calls = failing.calls
+        at += 1

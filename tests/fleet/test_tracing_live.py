@@ -1,7 +1,7 @@
 """OpenTelemetry traces end to end (SPEC §17): a live server and the real worker.py export
 to a real OTLP/HTTP receiver on 127.0.0.1; one trace per request, continuing the
-client's ``traceparent`` through admission, queue, dispatch, the worker and the backend;
-across two cluster processes too."""
+client's ``traceparent`` through admission, queue, dispatch, the worker and the backend
+(or not, with ``OTEL_TRUST_INCOMING=false``); across two cluster processes too."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CHAT = "/v1/chat/completions"
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
+TRACESTATE = "client=b7ad6b7169203331"
 SERVER_KIND = 2
 
 
@@ -65,7 +66,9 @@ def test_one_trace_per_request_from_the_clients_context_through_queue_worker_and
         )
         slow.start()
         up.call(lambda: up.upstream.wait_requests(1, CHAT))
-        traced = chat(server.url, {"traceparent": TRACEPARENT}, stream=True)
+        traced = chat(
+            server.url, {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}, stream=True
+        )
         slow.join(15)
         assert traced.status_code == 200 and results["slow"].status_code == 200
 
@@ -83,6 +86,7 @@ def test_one_trace_per_request_from_the_clients_context_through_queue_worker_and
     [root] = trace[f"POST {CHAT}"]
     assert root.parent_id == CLIENT_SPAN and root.kind == SERVER_KIND
     assert root.service == "modelrelay"
+    assert root.trace_state == TRACESTATE  # the client's, carried through
     assert root.attributes["relay.request_id"].startswith("r-")
     assert root.attributes["gen_ai.request.model"] == "mock-model"
     assert root.attributes["http.response.status_code"] == 200
@@ -109,8 +113,10 @@ def test_one_trace_per_request_from_the_clients_context_through_queue_worker_and
     assert call.service == "modelrelay-worker" and call.parent_id == dispatch.span_id
     assert call.attributes["relay.request_id"] == root.attributes["relay.request_id"]
     assert call.attributes["http.response.status_code"] == 200
-    forwarded = [r.headers.get("traceparent", "") for r in up.requests if r.path == CHAT]
-    assert f"00-{CLIENT_TRACE}-{call.span_id}-01" in forwarded
+    assert call.trace_state == TRACESTATE
+    [forwarded] = [r for r in up.requests_to(CHAT) if CLIENT_TRACE in r.headers["traceparent"]]
+    assert forwarded.headers["traceparent"] == f"00-{CLIENT_TRACE}-{call.span_id}-01"
+    assert forwarded.headers["tracestate"] == TRACESTATE
     # The request without a context started a trace of its own, with its own reason.
     [other] = [r for r in roots if r.trace_id != CLIENT_TRACE]
     assert other.parent_id == ""
@@ -118,12 +124,54 @@ def test_one_trace_per_request_from_the_clients_context_through_queue_worker_and
     assert least.attributes["relay.dispatch.reason"] == "least load"
 
 
+def test_untrusted_incoming_context_starts_each_trace_at_the_edge(tmp_path: Path) -> None:
+    unsampled = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"
+    contexts = [
+        {"traceparent": unsampled, "tracestate": TRACESTATE},
+        {"traceparent": TRACEPARENT, "tracestate": TRACESTATE},
+    ]
+    env = {"OTEL_TRUST_INCOMING": "false"}
+    with (
+        otlp_receiver() as receiver,
+        upstream_in_thread() as up,
+        live_server(tmp_path / "server", **otel_env(receiver, **env)) as server,
+        running_worker(
+            server, up.url, "--no-backend-metrics", env={**os.environ, **otel_env(receiver)}
+        ),
+    ):
+        poll(lambda: routable(server), what="the worker's model")
+        for headers in contexts:
+            assert chat(server.url, headers).status_code == 200
+
+        def complete(spans: list[Span]) -> bool:
+            calls = [s for s in spans if s.name == "backend call"]
+            roots = [s for s in spans if s.name == f"POST {CHAT}"]
+            return len(calls) == 2 and len(roots) == 2
+
+        spans = receiver.wait_for(complete, what="both requests' spans")
+        forwarded = [r.headers for r in up.requests_to(CHAT)]
+    # The relay decided (its sampler, no parent: both recorded), in traces of its own.
+    roots = [s for s in spans if s.name == f"POST {CHAT}"]
+    assert all(root.parent_id == "" for root in roots)
+    assert len({root.trace_id for root in roots}) == 2
+    assert all(s.trace_id != CLIENT_TRACE and s.trace_state == "" for s in spans)
+    for root in roots:
+        names = {s.name for s in spans if s.trace_id == root.trace_id}
+        assert names >= {"admission", "dispatch", "first byte", "completion", "backend call"}
+    # The backend got the relay's context only (the worker's, in the relay's trace).
+    assert {h["traceparent"].split("-")[1] for h in forwarded} == {r.trace_id for r in roots}
+    assert not any("tracestate" in h for h in forwarded)
+
+
 @pytest.mark.redis
+@pytest.mark.parametrize("trust", ["true", "false"])
 async def test_a_request_placed_on_another_processs_worker_stays_in_one_trace(
-    relay_server_factory: Any,
+    relay_server_factory: Any, trust: str
 ) -> None:
+    # Between the processes the context is the relay's own: continued whatever
+    # OTEL_TRUST_INCOMING says of the client's.
     with otlp_receiver() as receiver:
-        env = otel_env(receiver)
+        env = otel_env(receiver, OTEL_TRUST_INCOMING=trust)
         with (
             upstream_in_thread() as up,
             cluster(relay_server_factory, 2, **env) as (a, b),
@@ -139,14 +187,19 @@ async def test_a_request_placed_on_another_processs_worker_stays_in_one_trace(
             assert answer.status_code == 200
 
             def complete(spans: list[Span]) -> bool:
-                trace = of_trace(spans, CLIENT_TRACE)
-                return bool(trace.get("backend call")) and len(trace.get("dispatch", [])) == 2
+                calls = [s for s in spans if s.name == "backend call"]
+                if not calls:
+                    return False
+                return len(of_trace(spans, calls[0].trace_id).get("dispatch", [])) == 2
 
             spans = receiver.wait_for(complete, what="the spans of both processes")
-    trace = of_trace(spans, CLIENT_TRACE)
-    [origin] = trace[f"POST {CHAT}"]
+    [origin] = [s for s in spans if s.name == f"POST {CHAT}"]
+    trace = of_trace(spans, origin.trace_id)
     [placed] = trace[f"placed {CHAT}"]
-    assert origin.parent_id == CLIENT_SPAN
+    if trust == "true":
+        assert origin.trace_id == CLIENT_TRACE and origin.parent_id == CLIENT_SPAN
+    else:
+        assert origin.trace_id != CLIENT_TRACE and origin.parent_id == ""
     by_parent = {d.parent_id: d for d in trace["dispatch"]}
     there = by_parent[origin.span_id]
     assert (

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -47,6 +48,7 @@ CHROMIUM_ARGS = [
 ]
 SHOTS = ROOT / "test-artifacts" / "screenshots"
 USERNAME, PASSWORD = "operator", "correct-horse-battery"
+CHAT = "/v1/chat/completions"
 WAIT_MS = 10_000
 
 
@@ -367,6 +369,11 @@ async def test_the_wizard_walks_a_new_box_to_a_confirmed_live_worker(server, bro
         await _wizard_flow(server, browser, tmp_path)
 
 
+async def test_the_wizard_gives_a_box_two_commands_that_join_it(server, browser, tmp_path):
+    with server_log_on_failure(server):
+        await _join_flow(server, browser, tmp_path)
+
+
 async def _dashboard_flow(server: LiveServer, browser: Any) -> None:
     from playwright.async_api import expect
 
@@ -489,6 +496,7 @@ async def _wizard_flow(server: LiveServer, browser: Any, tmp_path: Path) -> None
     await log_in(page)  # step 3 needs staff; the login brings us back to it
     await page.wait_for_url("**/setup/worker?platform=linux&backend=llama")
     async with FakeUpstream(models=["tiny-llama"]) as upstream:
+        await page.locator('label.choice:has(input[value="new"])').click()
         await page.fill("#id_name", "lab-gpus")
         await page.fill("#id_backend_url", upstream.url)
         await shoot(page, "setup-3-form")
@@ -546,3 +554,264 @@ async def _send_like_curl(snippet: str, base_url: str) -> Any:
         headers = {"Content-Type": "application/json"}
         response = await client.post(argv[1], content=body, headers=headers)
         return response.json()
+
+
+async def _join_flow(server: LiveServer, browser: Any, tmp_path: Path) -> None:
+    """Join with a token (SPEC §22): the two commands the page shows, pasted into a shell
+    on a box with a backend on a port discovery is told of, confirm the worker."""
+    from playwright.async_api import expect
+
+    from relay.pages.wheel import wheel_filename
+
+    page = await new_page(browser)
+    await page.goto(server.url + "/setup/worker?platform=linux&backend=llama")
+    await log_in(page)
+    await page.wait_for_url("**/setup/worker?platform=linux&backend=llama")
+    await expect(page.locator('input[name="mode"][value="join"]')).to_be_checked()
+    await expect(page.locator("#id_provider")).to_be_visible()
+    await expect(page.locator("#id_name")).to_be_hidden()
+    await expect(page.locator("#id_backend_url")).to_have_value("")
+    await shoot(page, "setup-join-form")
+    await page.click("#create-secret")
+
+    token = (await page.locator("#join-token").inner_text()).strip()
+    assert token.startswith("mrj_")
+    install = (await page.locator("#join-install-linux").inner_text()).strip()
+    run = (await page.locator("#join-run-linux").inner_text()).strip()
+    wheel_url = f"{server.url}/setup/{wheel_filename()}"
+    assert (
+        install
+        == f"python3 -m venv modelrelay-worker && modelrelay-worker/bin/pip install {wheel_url}"
+    )
+    assert shell_words(run) == [
+        "modelrelay-worker/bin/modelrelay-worker",
+        "--proxy-url",
+        server.url,
+        "--join-token",
+        token,
+    ]
+    await expect(page.locator("#waiting")).to_be_visible()
+    await shoot(page, "setup-join-commands")
+
+    # A shell on the box: python3 is this interpreter (a fresh venv is made from it).
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "python3").symlink_to(sys.executable)
+    env = {
+        "PATH": f"{tools}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "HOME": str(tmp_path),
+        "WORKER_NAME": "joined-box",
+    }
+    for name in ("PIP_FIND_LINKS", "PIP_CERT", "PIP_DEFAULT_TIMEOUT"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    installing = await asyncio.create_subprocess_exec(
+        "sh",
+        "-c",
+        install,
+        cwd=tmp_path,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(300):
+        output, _ = await installing.communicate()
+    assert installing.returncode == 0, output.decode(errors="replace")
+
+    async with FakeUpstream(models=["joined-llama"]) as upstream:
+        env["MODELRELAY_PROBE_PORTS"] = upstream.url.rsplit(":", 1)[1]
+        worker = await asyncio.create_subprocess_exec(
+            "sh",
+            "-c",
+            "exec " + run,  # the signals of _stop reach the worker, not only sh
+            cwd=tmp_path,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            await expect(page.locator("#ready")).to_be_visible(timeout=30_000)
+            await expect(page.locator("#ready-workers")).to_contain_text("joined-box")
+            await expect(page.locator("#ready-workers")).to_contain_text("joined-llama")
+            await shoot(page, "setup-join-ready")
+            answer = await _send_like_curl(
+                await page.locator("#curl-test").inner_text(), server.url
+            )
+            assert answer["model"] == "joined-llama" and answer["choices"]
+        finally:
+            code, log = await _stop(worker)
+        assert code == 0, log
+        assert (
+            "backend: using an OpenAI-compatible server" in log and "the join token is spent" in log
+        )
+    saved = tmp_path / ".config" / "modelrelay-worker" / "credential.json"
+    assert saved.stat().st_mode & 0o777 == 0o600
+    await page.context.close()
+
+
+async def test_at_1400_px_the_dashboard_and_the_admin_lists_show_every_status_column(
+    server, browser
+):
+    with server_log_on_failure(server):
+        await _wide_flow(server, browser)
+
+
+#: A laptop's browser window: every list must fit it without hiding a status column.
+WIDE = {"width": 1400, "height": 900}
+
+
+async def fits(page: Any, selector: str) -> None:
+    """Every element ``selector`` matches lies inside the viewport, whole, and nothing
+    around it scrolls sideways (no scroller holds part of it out of sight)."""
+    found = await page.eval_on_selector_all(
+        selector,
+        """(nodes) => nodes.map((node) => {
+            const box = node.getBoundingClientRect();
+            let clipped = null;  // the scroller that hides part of it, if any
+            for (let up = node.parentElement; up; up = up.parentElement) {
+                const scrolls = getComputedStyle(up).overflowX !== "visible";
+                if (scrolls && up.scrollWidth > up.clientWidth + 1) {
+                    clipped = `${up.tagName}.${up.className} ${up.scrollWidth}>${up.clientWidth}`;
+                }
+            }
+            return {left: box.left, right: box.right, width: box.width, clipped: clipped,
+                    cut: node.scrollWidth > node.clientWidth + 1};
+        })""",
+    )
+    assert found, f"nothing matches {selector}"
+    width = page.viewport_size["width"]
+    for box in found:
+        assert box["width"] > 0 and box["left"] >= 0 and box["right"] <= width, (selector, box)
+        assert not box["clipped"] and not box["cut"], (selector, box)
+
+
+async def _wide_flow(server: LiveServer, browser: Any) -> None:
+    from playwright.async_api import expect
+
+    page = await new_page(browser)
+    await page.set_viewport_size(WIDE)
+    await page.goto(server.url + "/dashboard")
+    if "/django-admin/login/" in page.url:
+        await log_in(page)
+    await page.wait_for_url(server.url + "/dashboard")
+    box = await RawWorker.join(
+        server, "wide-box", ["wide-8b", "slow-8b"], max_concurrent=4, hold=frozenset({"slow-8b"})
+    )
+
+    def chat(model: str) -> dict[str, Any]:
+        return {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+    def line(i: int, anthropic: bool) -> dict[str, Any]:
+        if anthropic:
+            return {"custom_id": f"a-{i}", "params": {**chat("wide-8b"), "max_tokens": 8}}
+        return {"custom_id": f"o-{i}", "method": "POST", "url": CHAT, "body": chat("wide-8b")}
+
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            # The first to arrive ends last: it is held until the second has ended.
+            slow = asyncio.create_task(client.post(CHAT, json=chat("slow-8b")))
+            async with asyncio.timeout(5):
+                held = await box.held.get()
+            assert (await client.post(CHAT, json=chat("wide-8b"))).status_code == 200
+            await box.answer(held)
+            box.load -= 1
+            assert (await slow).status_code == 200
+            assert (await client.post(CHAT, json=chat("nobody-8b"))).status_code == 404
+            rows = b"".join(json.dumps(line(i, False)).encode() + b"\n" for i in range(2))
+            files = {"file": ("rows.jsonl", rows, "application/jsonl")}
+            uploaded = (
+                await client.post("/v1/files", files=files, data={"purpose": "batch"})
+            ).json()
+            openai_batch = (
+                await client.post(
+                    "/v1/batches",
+                    json={
+                        "input_file_id": uploaded["id"],
+                        "endpoint": CHAT,
+                        "completion_window": "24h",
+                    },
+                )
+            ).json()
+            anthropic_batch = (
+                await client.post(
+                    "/v1/messages/batches",
+                    json={"requests": [line(i, True) for i in range(2)]},
+                    headers={"anthropic-version": "2023-06-01"},
+                )
+            ).json()
+        # Batch lines run as flex, and the recent list says so.
+        flex = page.locator('#recent tr td[data-class="flex"]')
+        await expect(flex.first).to_have_text("flex")
+        ended = page.locator(f'#batches tr[data-batch-id="{anthropic_batch["id"]}"]')
+        await expect(ended).to_have_attribute("data-api-status", "ended")
+        await expect(ended.locator(".badge")).to_have_text("ended")
+        done = page.locator(f'#batches tr[data-batch-id="{openai_batch["id"]}"]')
+        await expect(done.locator(".badge")).to_have_text("completed")
+        # Latest ended first, whatever the order they arrived in.
+        ends = [
+            float(at)
+            for at in await page.eval_on_selector_all(
+                "#recent tbody tr", "(rows) => rows.map((row) => row.dataset.endedAt)"
+            )
+        ]
+        assert len(ends) >= 6 and ends == sorted(ends, reverse=True), ends
+        classes = await page.eval_on_selector_all(
+            "#recent tbody tr td[data-class]", "(cells) => cells.map((c) => c.dataset.class)"
+        )
+        assert set(classes) == {"default", "flex"}, classes
+        await shoot(page, "dashboard-1400")
+        await fits(page, "#recent thead th")
+        await fits(page, "#recent tbody td .badge[class*=status-]")
+        await fits(page, "#batches thead th")
+        await fits(page, ".stat-sub")  # the prompt cache card's line included
+
+        # The admin's lists, once the request log has been written (in batches).
+        log = server.url + "/django-admin/workers_app/requestlog/?q=wide-box"
+        for _ in range(100):
+            await page.goto(log)
+            if await page.locator("#result_list td.field-priority_class").count() >= 6:
+                break
+            await asyncio.sleep(0.1)  # a bounded poll: the rows are written every second
+        else:
+            raise AssertionError("the request log rows were not written")
+        await shoot(page, "admin-requestlog-1400")
+        await fits(page, "#result_list thead th")
+        await fits(page, "#result_list td.field-status")
+        await fits(page, "#result_list td.field-outcome")
+        await page.goto(server.url + "/django-admin/batches/batch/")
+        row = page.locator("#result_list tbody tr", has_text=anthropic_batch["id"])
+        await expect(row.locator("td.field-api_status")).to_have_text("ended")
+        await shoot(page, "admin-batches-1400")
+        await fits(page, "#result_list thead th")
+        await fits(page, "#result_list td.field-api_status")
+    finally:
+        await box.close()
+    await page.context.close()
+
+
+async def test_the_dashboard_shows_each_models_state_as_the_relay_loads_it(server, browser):
+    from playwright.async_api import expect
+
+    from relay.wire.protocol import LOADABLE, LOADED
+    from tests.statesworker import StatesWorker
+
+    with server_log_on_failure(server):
+        page = await new_page(browser)
+        await page.goto(server.url + "/dashboard")
+        await log_in(page)
+        await page.wait_for_url(server.url + "/dashboard")
+        states = {"on-demand-a": LOADED, "on-demand-b": LOADABLE}
+        async with StatesWorker(server, states, capacity=1, name="router-box") as box:
+            a = page.locator('#workers [data-model-state]:has-text("on-demand-a")')
+            b = page.locator('#workers [data-model-state]:has-text("on-demand-b")')
+            await expect(a).to_have_attribute("data-model-state", LOADED)
+            await expect(b).to_have_attribute("data-model-state", LOADABLE)
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                body = {"model": "on-demand-b", "messages": []}
+                assert (await client.post(CHAT, json=body)).status_code == 200
+            # The relay unloaded the idle model to load the one asked for: both live.
+            await expect(b).to_have_attribute("data-model-state", LOADED)
+            await expect(a).to_have_attribute("data-model-state", LOADABLE)
+            await expect(b).to_have_attribute("title", re.compile(r"1 loads"))
+            assert box.ops == [("unload", "on-demand-a"), ("load", "on-demand-b")]
+            await shoot(page, "dashboard-models-on-demand")

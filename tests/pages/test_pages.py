@@ -24,7 +24,7 @@ from django.test import AsyncClient, Client
 from relay.core import timeline
 from relay.core.stats import RequestRecord
 from relay.pages import bundle, recipes
-from relay.pages.dashboard import StreamCount
+from relay.pages.dashboard import StreamCount, api_status
 from relay.server import runtime
 from relay.wire import protocol
 from tests.asgikit import SECRET, FakeWorker, HttpCall, make_provider, until
@@ -229,6 +229,83 @@ async def test_the_dashboard_shows_who_is_using_the_pool(staff, settings):
     assert snap["recent"][0]["key"] == "team-a"
 
 
+async def test_recent_requests_are_listed_by_when_they_ended_with_their_class(staff):
+    relay = runtime.current().relay
+    # A long request that arrived first and ended last, a batch line preempted once,
+    # and a refusal: the list holds them as they finished.
+    short = replace(_record(200, at=1000.0), request_id="r-short", duration=0.1)
+    line = replace(
+        _record(200, at=1000.5),
+        request_id="r-line",
+        duration=0.3,
+        service_class="flex",
+        preemptions=1,
+    )
+    refused = replace(_record(404, "model_not_found", at=1000.7), request_id="", duration=0.0)
+    long = replace(_record(200, at=999.0), request_id="r-long", duration=2.0)
+    for record in (short, line, refused, long):
+        relay.stats.observe(record)
+    page = (await staff.get("/dashboard")).content.decode()
+    assert "<th>Ended</th>" in page and '<th class="hide-sm">Class</th>' in page
+    assert "latest ended first" in page
+    recent = json.loads(_initial(page))["recent"]
+    shown = [(r["request_id"], r["ended_at"], r["class"], r["preemptions"]) for r in recent]
+    assert shown == [
+        ("r-long", 1001.0, "default", 0),
+        ("r-line", 1000.8, "flex", 1),
+        ("", 1000.7, "default", 0),
+        ("r-short", 1000.1, "default", 0),
+    ]
+
+
+async def test_a_message_batch_shows_the_status_its_api_says(staff):
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from batches.models import Batch
+
+    later = timezone.now() + dt.timedelta(days=1)
+    made = [  # ended ones: the engine leaves them as they are
+        ("msgbatch_1", "anthropic", "completed"),
+        ("msgbatch_2", "anthropic", "cancelled"),
+        ("batch_3", "openai", "completed"),
+        ("batch_4", "openai", "cancelled"),
+    ]
+    for public_id, api, status in made:
+        await Batch.objects.acreate(
+            public_id=public_id, api=api, status=status, endpoint="/v1/x", expires_at=later
+        )
+    engine = runtime.current().batches
+    await until(lambda: len(engine.batches) == 4)  # the engine's next look at the database
+    snap = json.loads(_initial((await staff.get("/dashboard")).content.decode()))
+    shown = sorted((b["id"], b["status"], b["api_status"]) for b in snap["batches"])
+    assert shown == [
+        ("batch_3", "completed", "completed"),
+        ("batch_4", "cancelled", "cancelled"),
+        ("msgbatch_1", "completed", "ended"),
+        ("msgbatch_2", "cancelled", "ended"),
+    ]
+    assert all("api_status" not in row for row in engine.batches)  # the engine's own rows
+
+
+def test_message_batches_have_three_statuses_as_their_api_says():
+    from batches.models import STATUSES
+
+    said = {status: api_status({"api": "anthropic", "status": status}) for status in STATUSES}
+    assert said == {
+        "validating": "in_progress",
+        "in_progress": "in_progress",
+        "finalizing": "in_progress",
+        "cancelling": "canceling",
+        "completed": "ended",
+        "failed": "ended",
+        "expired": "ended",
+        "cancelled": "ended",
+    }
+    assert all(api_status({"api": "openai", "status": s}) == s for s in STATUSES)
+
+
 async def test_staff_drain_and_refresh_workers_from_the_dashboard(staff):
     async with FakeWorker() as worker:
         ack = await worker.register(["m"])
@@ -418,7 +495,8 @@ async def test_the_secret_step_requires_a_staff_login(provider):
 
 async def test_the_secret_form_is_prefilled_for_the_chosen_backend(staff):
     page = (await staff.get("/setup/worker?platform=windows&backend=ollama")).content.decode()
-    assert 'value="http://127.0.0.1:11434"' in page
+    # Empty (the worker finds its backend), with the backend's usual URL as the example.
+    assert 'value="" placeholder="http://127.0.0.1:11434"' in page
     assert '<option value="local"' in page
     vllm = (await staff.get("/setup/worker?platform=linux&backend=vllm")).content.decode()
     assert 'name="max_concurrent" id="id_max_concurrent" value="8"' in vllm
@@ -729,3 +807,73 @@ def test_a_worker_that_imports_django_is_not_bundled(tmp_path, monkeypatch):
     monkeypatch.setattr(bundle, "WORKER", fake)
     with pytest.raises(bundle.BundleError, match="django"):
         bundle.build()
+
+
+# -- wizard: joining with a token (SPEC §22) -------------------------------------------------------
+
+JOIN_POST = {
+    **SETUP_POST,
+    "mode": "join",
+    "name": "",
+    "provider": "local",
+    "backend_url": "",
+    "models": "",
+}
+
+
+async def test_joining_in_the_wizard_mints_a_token_and_shows_two_commands_per_platform(staff):
+    from relay.pages.wheel import wheel_filename
+    from workers_app.models import JoinToken
+
+    page = (await staff.post("/setup/worker", JOIN_POST)).content.decode()
+    token = attribute(page, r'id="join-token">([^<]+)<')
+    row = await JoinToken.objects.select_related("provider").aget()
+    assert row.prefix == token[:12] and row.provider.name == "local" and row.uses == 1
+    assert row.created_by.startswith("setup: ")
+    wheel_url = f"http://testserver/setup/{wheel_filename()}"
+    linux = code_block(page, "join-install-linux")
+    assert (
+        linux
+        == f"python3 -m venv modelrelay-worker && modelrelay-worker/bin/pip install {wheel_url}"
+    )
+    assert shell_words(code_block(page, "join-run-linux")) == [
+        "modelrelay-worker/bin/modelrelay-worker",
+        "--proxy-url",
+        "http://testserver",
+        "--join-token",
+        token,
+    ]
+    windows = code_block(page, "join-install-windows").splitlines()
+    assert windows == [
+        "py -m venv modelrelay-worker",
+        rf".\modelrelay-worker\Scripts\python.exe -m pip install {wheel_url}",
+    ]
+    run = code_block(page, "join-run-windows")
+    assert run == (
+        r".\modelrelay-worker\Scripts\modelrelay-worker.exe --proxy-url http://testserver "
+        f"--join-token {token}"
+    )
+    assert f'href="{wheel_url}"' in page
+    assert attribute(page, r'data-status-url="([^"]+)"').startswith("/setup/status?provider=local")
+    # What was asked for goes on the command line, nothing else.
+    asked = {**JOIN_POST, "backend_url": "http://127.0.0.1:8081", "models": "a, b"}
+    page = (await staff.post("/setup/worker", asked)).content.decode()
+    argv = shell_words(code_block(page, "join-run-macos"))
+    assert argv[argv.index("--backend-url") + 1] == "http://127.0.0.1:8081"
+    assert argv[argv.index("--models") + 1] == "a,b"
+
+
+async def test_joining_in_the_wizard_needs_the_permission_to_add_join_tokens(provider):
+    from workers_app.models import JoinToken
+
+    rotator = await _staff_with("workers_app.change_provider", "workers_app.view_provider")
+    form = (await rotator.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert "You may not mint join tokens." in form
+    assert (await rotator.post("/setup/worker", JOIN_POST)).status_code == 403
+    joiner = await _staff_with("workers_app.add_jointoken")
+    form = (await joiner.get("/setup/worker?platform=linux&backend=llama")).content.decode()
+    assert 'name="mode" value="join" checked' in form
+    assert (await joiner.post("/setup/worker", JOIN_POST)).status_code == 200
+    assert await JoinToken.objects.acount() == 1
+    missing = (await joiner.post("/setup/worker", {**JOIN_POST, "provider": ""})).content
+    assert b"Choose the provider the worker joins." in missing

@@ -25,6 +25,7 @@ from batches.models import (
     new_id,
 )
 from relay.server.batches import claims, lifecycle, store
+from relay.server.batches.checker import Checker
 from relay.server.batches.claims import Result
 from relay.server.batches.lines import LineSpec
 
@@ -174,9 +175,7 @@ def test_an_expired_batch_ends_its_lines_as_expired():
 
 
 def test_a_batch_cancelled_before_its_validation_ends_cancelled_with_no_line():
-    upload = StoredFile.objects.create(
-        public_id=new_id("file-"), purpose="batch", filename="x", content=b""
-    )
+    upload = StoredFile.objects.create(public_id=new_id("file-"), purpose="batch", filename="x")
     batch = Batch.objects.create(
         public_id=new_id("batch_"),
         endpoint="/v1/chat/completions",
@@ -184,8 +183,11 @@ def test_a_batch_cancelled_before_its_validation_ends_cancelled_with_no_line():
         expires_at=timezone.now() + dt.timedelta(hours=1),
     )
     Batch.objects.filter(pk=batch.pk).request_cancel()
-    limits = lifecycle.Limits(max_lines=10, max_model_len=64, max_queued=100, lease_secs=60)
-    assert lifecycle.validate_next("a", frozenset({"m"}), limits) is None  # nothing validating
+    limits = lifecycle.Limits(
+        max_lines=10, max_model_len=64, max_queued=100, lease_secs=60, max_request_bytes=1024
+    )
+    checker = Checker()  # never started: nothing to check
+    assert lifecycle.validate_next("a", frozenset({"m"}), limits, checker) is None
     assert lifecycle.sweep() == [batch.public_id]
     batch.refresh_from_db()
     assert batch.status == "cancelled" and batch.total == 0

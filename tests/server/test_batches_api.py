@@ -3,13 +3,18 @@ uploads and their limits, who sees what, validation, how lines run and end."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+from collections.abc import Awaitable, Callable
 
 import pytest
 from asgiref.sync import sync_to_async
+from django.utils import timezone
 
+from batches.models import FileChunk, StoredFile
 from keys.services import create_key
 from relay.server import runtime
+from relay.server.batches import files, lifecycle
 from relay.wire import protocol
 from tests.asgikit import FakeWorker, HttpCall, chat, make_provider, until
 from tests.batchkit import (
@@ -21,12 +26,14 @@ from tests.batchkit import (
     create_batch,
     ended,
     jsonl,
+    least_stall,
     line,
     multipart,
     submit,
     upload,
     wait_batch,
 )
+from tests.stall import STALL_BUDGET_MS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -104,6 +111,205 @@ async def test_an_upload_declaring_more_than_the_limit_is_refused_before_its_bod
     # Not a byte of the body is sent: the answer comes from the headers alone.
     assert await upload_call.start() == 413
     assert json.loads(await upload_call.read_rest())["error"]["code"] == "request_too_large"
+
+
+# ------------------------------------------------------------------------- stored bytes
+
+
+async def test_an_upload_is_stored_in_chunks_and_read_back_whole(provider, monkeypatch):
+    monkeypatch.setattr(files, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(files, "READ_CHUNKS", 2)
+    data = bytes(range(256)) * 14  # 3584 bytes: three whole chunks and a part
+    uploaded = await upload(data)
+    sizes = await sync_to_async(
+        lambda: [len(d) for d in FileChunk.objects.order_by("index").values_list("data", flat=True)]
+    )()
+    assert sizes == [1000, 1000, 1000, 584]
+    status, raw = await call("GET", f"/v1/files/{uploaded['id']}/content")
+    assert status == 200 and raw == data
+    await call("DELETE", f"/v1/files/{uploaded['id']}")
+    assert await sync_to_async(FileChunk.objects.count)() == 0
+
+
+async def test_a_key_keeps_at_most_its_files_and_bytes_and_one_more_is_refused(provider, settings):
+    settings.BATCH_MAX_FILES_PER_KEY = 3
+    settings.BATCH_MAX_FILE_BYTES_PER_KEY = 1000
+    first = await upload(b"x" * 600)
+    await upload(b"x" * 399)
+    await upload(b"x")  # three files of 1000 bytes in all: the most it may keep
+    # One file more is a 429, in OpenAI's envelope ...
+    body, content_type = multipart(b"y")
+    status, document = await call("POST", "/v1/files", body, content_type=content_type)
+    assert status == 429, document
+    assert document["error"]["code"] == "file_count_exceeded"
+    assert "At most 3 files" in document["error"]["message"]
+    await call("DELETE", f"/v1/files/{first['id']}")
+    # ... one byte more a 413; and a refused upload leaves no row and no byte behind.
+    body, content_type = multipart(b"y" * 601)
+    status, document = await call("POST", "/v1/files", body, content_type=content_type)
+    assert status == 413, document
+    assert document["error"]["code"] == "file_bytes_exceeded"
+    assert "at most 1000 bytes in all (400 in use)" in document["error"]["message"]
+    assert await sync_to_async(StoredFile.objects.count)() == 2
+    assert await sync_to_async(FileChunk.objects.count)() == 2
+    assert (await upload(b"y" * 600))["bytes"] == 600
+
+
+@relay_settings(MODELRELAY_REQUIRE_API_KEYS=True, BATCH_MAX_FILES_PER_KEY=1)
+async def test_each_key_has_its_own_room_and_a_full_one_is_refused_before_the_body(provider):
+    team = await sync_to_async(create_key)("team")
+    lab = await sync_to_async(create_key)("lab")
+    await runtime.current().sync()
+    await upload(b"a", bearer(team.secret))
+    await upload(b"b", bearer(lab.secret))  # the other key's room is its own
+    headers = [*bearer(team.secret), (b"content-length", b"5000")]
+    refused = HttpCall(
+        "POST", "/v1/files", b"", headers, content_type=b"multipart/form-data; boundary=x"
+    )
+    # Not a byte of the body is sent: the key's files are counted first.
+    assert await refused.start() == 429
+    assert json.loads(await refused.read_rest())["error"]["code"] == "file_count_exceeded"
+
+
+async def test_without_keys_every_upload_shares_one_room(provider, settings):
+    settings.BATCH_MAX_FILES_PER_KEY = 1
+    await upload(b"a")
+    body, content_type = multipart(b"b")
+    status, document = await call("POST", "/v1/files", body, content_type=content_type)
+    assert status == 429 and document["error"]["code"] == "file_count_exceeded"
+
+
+async def test_pruning_an_old_upload_deletes_its_bytes(provider):
+    uploaded = await upload(b"x" * 10)
+
+    def age_and_prune() -> int:
+        old = timezone.now() - dt.timedelta(days=31)
+        StoredFile.objects.filter(public_id=uploaded["id"]).update(created_at=old)
+        lifecycle.prune(30)
+        return FileChunk.objects.count() + StoredFile.objects.count()
+
+    assert await sync_to_async(age_and_prune)() == 0
+
+
+async def test_the_admin_lists_uploads_without_reading_their_bytes(provider):
+    from django.contrib.auth.models import User
+    from django.test import AsyncClient
+
+    uploaded = await upload(b"x" * 10)
+    user = await sync_to_async(User.objects.create_superuser)("root", "root@example.com", "pw")
+    staff = AsyncClient()
+    await staff.aforce_login(user)
+    listing = await staff.get("/django-admin/batches/storedfile/")
+    assert listing.status_code == 200 and uploaded["id"] in listing.content.decode()
+    pk = await sync_to_async(lambda: StoredFile.objects.get(public_id=uploaded["id"]).pk)()
+    assert (await staff.get(f"/django-admin/batches/storedfile/{pk}/change/")).status_code == 200
+
+
+async def test_the_largest_upload_never_stalls_the_event_loop(provider, settings):
+    settings.BATCH_FILE_MAX_BYTES = 8 * 1024 * 1024
+    one = json.dumps(line("x" * 1000)).encode() + b"\n"
+    data = one * (settings.BATCH_FILE_MAX_BYTES // len(one))
+    data += b"\n" * (settings.BATCH_FILE_MAX_BYTES - len(data))
+    body, content_type = multipart(data)
+    await upload(b"warm")  # first calls (the application's set-up) out of the measure
+
+    def prepare() -> Callable[[], Awaitable[None]]:
+        uploading = HttpCall("POST", "/v1/files", body, content_type=content_type)
+
+        async def run() -> None:
+            status, document = await (await uploading.send(split=64 * 1024)).json(timeout=30)
+            assert status == 200 and document["bytes"] == len(data), document
+
+        return run
+
+    assert (stall := await least_stall(prepare)) < STALL_BUDGET_MS, stall
+
+
+# ------------------------------------------------------------------------- input lines
+
+
+def sized_line(custom_id: str, size: int) -> bytes:
+    """An input line of exactly ``size`` bytes (its body padded)."""
+    bare = len(json.dumps(line(custom_id, pad="")).encode())
+    return json.dumps(line(custom_id, pad="x" * (size - bare))).encode()
+
+
+@relay_settings(MAX_REQUEST_BYTES=4096)
+async def test_a_line_of_max_request_bytes_runs_and_one_byte_more_fails_validation(worker):
+    fits, over = sized_line("fits", 4096), sized_line("over", 4097)
+    assert (len(fits), len(over)) == (4096, 4097)
+    done = await wait_batch((await submit([fits]))["id"], ended)
+    assert done["status"] == "completed", done
+    # The body goes to the worker as the bytes it was sent as, never re-encoded.
+    (request,) = worker.requests
+    assert request.body == json.dumps(json.loads(fits)["body"])
+    failed = await wait_batch((await submit([line("a"), over, line("b")]))["id"], ended)
+    assert failed["status"] == "failed"
+    (error,) = failed["errors"]["data"]
+    assert (error["code"], error["line"]) == ("line_too_large", 2)
+    assert "larger than 4096 bytes" in error["message"]
+    assert len(worker.requests) == 1
+
+
+async def test_a_line_nested_as_deep_as_json_goes_runs_and_deeper_fails_saying_so(worker):
+    def nested(custom_id: str, depth: int) -> bytes:
+        body = json.dumps(line(custom_id)["body"])[:-1] + ', "x": '
+        body += "[" * depth + "]" * depth + "}"
+        head = json.dumps({"custom_id": custom_id, "method": "POST", "url": CHAT})[:-1]
+        return f'{head}, "body": {body}}}'.encode()
+
+    done = await wait_batch((await submit([nested("deep", 500)]))["id"], ended)
+    assert done["request_counts"]["completed"] == 1, done
+    failed = await wait_batch((await submit([nested("deeper", 100_000)]))["id"], ended)
+    (error,) = failed["errors"]["data"]
+    assert (error["code"], error["message"]) == (
+        "invalid_json_line",
+        "This line is nested too deeply",
+    )
+
+
+@relay_settings(MAX_REQUEST_BYTES=8 * 1024 * 1024)
+async def test_validating_the_largest_line_never_stalls_the_event_loop(worker):
+    # A model nobody serves: the whole line is read, then the batch fails, and nothing
+    # runs (running a line costs what the same request sent directly does).
+    escapes = '\\"\u00e9' * 1000
+    bare = len(json.dumps(line("big", model="nobody-serves-this", pad="")).encode())
+    pad = escapes * ((8 * 1024 * 1024 - bare) // len(json.dumps(escapes)))
+    body, content_type = multipart(jsonl(line("big", model="nobody-serves-this", pad=pad)))
+    await upload(b"warm")  # first calls (the application's set-up) out of the measure
+
+    def prepare() -> Callable[[], Awaitable[None]]:
+        uploading = HttpCall("POST", "/v1/files", body, content_type=content_type)
+
+        async def run() -> None:
+            _, uploaded = await (await uploading.send(split=64 * 1024)).json(timeout=30)
+            batch = await create_batch(uploaded["id"])
+            failed = await wait_batch(batch["id"], ended, timeout=30)
+            assert [e["code"] for e in failed["errors"]["data"]] == ["model_not_found"]
+
+        return run
+
+    assert (stall := await least_stall(prepare)) < STALL_BUDGET_MS, stall
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "length", "content_type", "status"),
+    [
+        ("POST", "/v1/batches", 65537, b"application/json", 413),
+        ("POST", "/v1/messages/batches", 10**9, b"application/json", 413),
+        ("GET", "/v1/files", 65537, None, 413),
+        ("POST", "/v1/batches/batch_x/cancel", 65537, None, 413),
+        ("PUT", "/v1/files", 10**9, b"application/json", 405),
+        ("POST", "/v1/messages/batches", 100, b"text/plain", 415),
+    ],
+)
+async def test_each_route_is_refused_on_its_headers_in_the_application_too(
+    provider, method, path, length, content_type, status
+):
+    headers = [(b"content-length", str(length).encode())]
+    refused = HttpCall(method, path, b"", headers, content_type=content_type)
+    assert await refused.start() == status  # not a byte of the body was sent
+    await refused.read_rest()
 
 
 @pytest.mark.parametrize(
@@ -252,9 +458,10 @@ async def test_a_batch_runs_each_line_once_and_writes_output_and_error_files(wor
     batch = await submit(lines, metadata={"job": "eval"})
     assert batch["metadata"] == {"job": "eval"}
     done = await wait_batch(batch["id"], ended)
-    assert done["status"] == "completed"
+    assert done["status"] == "completed", done
     assert done["request_counts"] == {"total": 9, "completed": 8, "failed": 1}
     assert done["usage"]["input_tokens"] == 27 and done["usage"]["output_tokens"] == 18
+    assert done["usage"]["input_tokens_details"] == {"cached_tokens": 9}
     for stamp in ("in_progress_at", "finalizing_at", "completed_at"):
         assert done[stamp] >= done["created_at"]
     assert sorted(worker.said()) == sorted(["bad", "s", *(f"l{i}" for i in range(7))])
@@ -283,7 +490,7 @@ async def test_a_line_whose_worker_fails_is_tried_again_up_to_the_cap_then_error
     worker.reply = lambda r: (503, "{}") if "down" in r.body else (200, "{}")
     batch = await submit([line("down"), line("fine")])
     done = await wait_batch(batch["id"], ended)
-    assert done["status"] == "completed"
+    assert done["status"] == "completed", done
     assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
     assert worker.said().count("down") == 3  # the first try and MAX_REQUEUE_COUNT more
     assert worker.said().count("fine") == 1

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import secrets
 
 import httpx
 import pytest
 
 from relay.wire import protocol
+from tests.clusterkit import cluster
 from tests.conftest import REDIS_URL, require_redis
 from tests.rawworker import closed, connect, expect, register
+from tests.test_e2e import (
+    CHAT,
+    body_for,
+    logged_rows,
+    metric,
+    new_rows,
+    poll,
+    read_until,
+    routable,
+    running_worker,
+    went,
+)
+from tests.upstream import upstream_in_thread
 
 pytestmark = [pytest.mark.live, pytest.mark.redis]
 
@@ -92,3 +107,30 @@ def test_a_process_with_another_pepper_refuses_to_start(relay_server_factory):
         with pytest.raises(RuntimeError) as failure, second:
             pass
         assert "different MODELRELAY_SECRET_PEPPER" in str(failure.value)
+
+
+def test_a_stream_served_by_another_process_is_not_cancelled_by_a_client_leaving_after_the_end(
+    relay_server_factory,
+):
+    """The client's process (A) relays a stream from a worker of B's: A's client hangs up
+    after [DONE], before the worker's completion. A keeps the exchange with B open, so
+    neither process cancels: B logs the request ok with its tokens, A counts it ok."""
+    with (
+        upstream_in_thread() as up,
+        cluster(relay_server_factory, 2, REQUEST_LOG_FLUSH_SECS="0.05") as (a, b),
+        running_worker(b, up.url),
+    ):
+        poll(lambda: routable(a), what="B's worker to be routable at A")
+        rows = len(logged_rows(b))
+        body = body_for(CHAT, stream=True, tokens=3, prompt_tokens=9, hold_end=True)
+        read_until(a, CHAT, body, b"data: [DONE]\n\n").close()
+        (seen,) = up.wait_requests(1, path=CHAT)
+        poll(functools.partial(went, a, seen, 1), what="A to see its client go")
+        assert not seen.disconnected.is_set(), "the backend request was cancelled"
+        up.release()
+        up.wait_event(seen.finished)
+        assert new_rows(b, rows, 1) == [(CHAT, 200, "ok", "", 9, 3)]
+        poll(lambda: metric(a, "modelrelay_requests_total", outcome="ok") == 1, what="A: ok")
+        assert metric(a, "modelrelay_requests_total", outcome="cancelled") == 0
+        assert metric(b, "modelrelay_tokens_total") == 12
+        assert metric(a, "modelrelay_cancels_total") == metric(b, "modelrelay_cancels_total") == 0

@@ -52,8 +52,8 @@ def client(server: LiveServer, secret: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=secret, max_retries=0)
 
 
-async def chat(oa: openai.AsyncOpenAI, model: str = "m") -> Any:
-    return await oa.chat.completions.create(model=model, messages=MESSAGES)  # type: ignore[arg-type]
+async def chat(oa: openai.AsyncOpenAI, model: str = "m", **extra: Any) -> Any:
+    return await oa.chat.completions.create(model=model, messages=MESSAGES, **extra)  # type: ignore[arg-type]
 
 
 async def known_everywhere(secret: str, *servers: LiveServer) -> None:
@@ -79,9 +79,9 @@ async def model_known(server: LiveServer, model: str, secret: str) -> None:
     await eventually(listed, timeout=10)
 
 
-async def refused(oa: openai.AsyncOpenAI) -> openai.RateLimitError:
+async def refused(oa: openai.AsyncOpenAI, **extra: Any) -> openai.RateLimitError:
     with pytest.raises(openai.RateLimitError) as caught:
-        await chat(oa)
+        await asyncio.wait_for(chat(oa, **extra), 10)
     return caught.value
 
 
@@ -159,13 +159,37 @@ async def test_limits_hold_across_two_processes_and_die_with_a_process(
 
                         await eventually(spent, timeout=5)
 
-                # A process that dies holding a slot: its slot stops counting once its
-                # lease (LIMITS_LEASE_SECS) runs out.
-                last = (await new_key(a, max_concurrent=1))["secret"]
+                # What a request may cost is reserved against the budget while it runs,
+                # for every process: one held at a that may cost 100 leaves nothing of a
+                # 10-token budget at b; it cost 4, and the rest comes back as it ends.
+                small = (await new_key(a, tokens_per_day=10))["secret"]
+                await known_everywhere(small, a, b)
+                held = asyncio.ensure_future(chat(client(a, small), max_tokens=100))
+                holder, request = await anywhere.next()
+                refusal = await refused(client(b, small), max_tokens=100)
+                assert refusal.code == "insufficient_quota"
+                await holder.answer(request, prompt=2, completion_=2)
+                await held
+
+                async def admitted_at_b() -> bool:
+                    try:
+                        served = asyncio.ensure_future(anywhere.serve(1))
+                        await chat(client(b, small), max_tokens=100)
+                        await served
+                        return True
+                    except openai.RateLimitError:
+                        served.cancel()
+                        return False
+
+                await eventually(admitted_at_b, timeout=5)
+
+                # A process that dies holding a slot and a reservation: neither counts
+                # once its lease (LIMITS_LEASE_SECS) runs out.
+                last = (await new_key(a, max_concurrent=1, tokens_per_day=10))["secret"]
                 await known_everywhere(last, a, b)
-                orphan = asyncio.ensure_future(chat(client(a, last)))
+                orphan = asyncio.ensure_future(chat(client(a, last), max_tokens=100))
                 await anywhere.next()
-                assert (await refused(client(b, last))).code == "rate_limit_exceeded"
+                assert (await refused(client(b, last))).code == "insufficient_quota"
                 a.kill()
                 with pytest.raises(openai.APIConnectionError):
                     await orphan

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from typing import Any
 
 import httpx
 import pytest
 
+from relay.server.cluster.convergence import now_ms
+from relay.server.cluster.state import ClusterState, WorkerRow, lane_of
 from relay.wire import protocol
 from tests.clusterkit import (
     AUTH,
@@ -26,7 +29,7 @@ from tests.clusterkit import (
     until,
     waiting,
 )
-from tests.conftest import REDIS_HOST, REDIS_PORT
+from tests.conftest import REDIS_HOST, REDIS_PORT, REDIS_URL, require_redis
 from tests.live import LiveServer
 from tests.rawworker import connect, expect, register
 from tests.scriptedworker import ScriptedWorker
@@ -194,6 +197,51 @@ async def test_queued_requests_get_freed_capacity_in_global_arrival_order(relay_
                 assert order == [1, 2, 3, 4, 5]
                 assert (await busy).status_code == 200
                 assert [(await call).status_code for call in calls] == [200] * 5
+
+
+async def test_nothing_that_arrived_after_a_request_aged_passes_it_in_the_shared_queue():
+    """The shared queue's order (the scripts alone, on the tests' Redis) is the one
+    relay.core.classqueue keeps: a flex request that waited the aging bound counts as
+    default, among what was put back in that class by arrival, ahead of its keys' lanes."""
+    import redis.asyncio as aioredis
+
+    require_redis()
+    redis = aioredis.from_url(REDIS_URL)
+    state = ClusterState(redis, f"mrtest-{secrets.token_hex(4)}")
+    aging = 1_000
+    now = now_ms()  # (entries expire at their deadline, in wall-clock time)
+    try:
+        row = WorkerRow("w1", "local", 1, False, False, ("m",), {"p|busy": now + 60_000})
+        await state.announce("p", "http://127.0.0.1:1", [row], now, 60_000, "c")
+        seqs: dict[str, int] = {}
+
+        async def place(name: str, at: int, service_class: str, requeued: bool = False) -> None:
+            kind, _, seqs[name], _ = await state.place(
+                provider="local", model="m", entry=f"p|{name}", origin="p", now_ms=now + at,
+                deadline_ms=now + 60_000, hold_ms=60_000, seq=seqs.get(name, 0), max_queue=-1,
+                lane=lane_of(service_class, None, requeued), service_class=service_class,
+            )  # fmt: skip
+            assert kind == "queued"
+
+        await place("early", -10, "default")  # arrives first; later put back (requeued)
+        assert await state.withdraw("local", "p|early", lane_of("default", None, False)) is None
+        await place("early", 1_400, "default", requeued=True)  # keeps its place
+        await place("flex", 0, "flex")  # counts as default from 1 000 (priority from 2 000)
+        await place("late", 1_500, "default", requeued=True)  # arrived after it aged
+        await place("new", 1_600, "default")
+        order: list[str] = []
+        lease = "p|busy"
+        for _ in range(4):
+            popped = await state.release("w1", lease, now + 1_900, aging)
+            assert popped is not None, order
+            lease = popped[0]
+            order.append(lease.partition("|")[2])
+        assert order == ["early", "flex", "late", "new"]
+    finally:
+        keys = [key async for key in redis.scan_iter(match=f"{state.prefix}:*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
 
 
 async def _more(server: LiveServer, than: int) -> bool:

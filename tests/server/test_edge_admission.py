@@ -90,7 +90,7 @@ async def test_the_old_api_goes_through_every_limit_of_the_key_and_is_charged(ke
         first = await old_chat(tight.secret).send()
         running = await worker.expect(protocol.Request)
         status, headers, lines = await old_lines(old_chat(tight.secret))
-        assert (status, lines) == (429, [{"err": "timeout waiting for node"}])
+        assert (status, lines) == (429, [{"err": "too many requests at once for this key"}])
         assert headers["retry-after"] == "1"
         await worker.chunk(running.request_id, 'data: {"choices":[{"delta":{"content":"ok"}}]}\n\n')
         await worker.answer(
@@ -105,7 +105,7 @@ async def test_the_old_api_goes_through_every_limit_of_the_key_and_is_charged(ke
         assert [json.loads(line) for line in body.splitlines()] == [{"o": "ok"}, {"done": True}]
         # Its 12 tokens spent the monthly budget of 10: the next one is refused.
         status, headers, lines = await old_lines(old_chat(tight.secret))
-        assert (status, lines) == (429, [{"err": "timeout waiting for node"}])
+        assert (status, lines) == (429, [{"err": "token budget of this key spent"}])
         assert int(headers["retry-after"]) >= 1
     row = await key_row("tight")
     assert (row["tokens_today"], row["tokens_month"], row["requests"]) == (12, 12, 1)
@@ -130,7 +130,7 @@ async def test_the_old_api_keeps_to_the_request_rate_and_the_expiry_of_its_key(k
         await serve_stream(worker)
         assert (await call.response())[0] == 200
         status, headers, lines = await old_lines(old_chat(steady.secret))
-        assert (status, lines) == (429, [{"err": "timeout waiting for node"}])
+        assert (status, lines) == (429, [{"err": "rate limit of this key exceeded"}])
         assert int(headers["retry-after"]) >= 1
 
         past = dt.datetime.now(tz=dt.UTC) - dt.timedelta(seconds=1)

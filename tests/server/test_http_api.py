@@ -385,6 +385,92 @@ async def test_client_gone_mid_stream_cancels_the_worker_and_frees_the_slot(prov
         assert (await second.response())[0] == 200
 
 
+#: A stream's last event per API, and a chunk before it that only mentions it.
+LAST_EVENTS = [
+    ("/v1/chat/completions", 'data: {"c":"data: [DONE]"}\n\n', "data: [DONE]\n\n"),
+    (
+        "/v1/messages",
+        'event: message_delta\ndata: {"type":"message_delta","text":"message_stop"}\n\n',
+        'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+    ),
+    (
+        "/v1/responses",
+        'event: response.output_text.done\ndata: {"text":"response.completed"}\n\n',
+        'event: response.completed\ndata: {"type":"response.completed"}\n\n',
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "before", "last"), LAST_EVENTS)
+async def test_a_client_that_leaves_after_the_last_event_cancels_nothing_and_is_charged(
+    provider, path, before, last
+):
+    async with FakeWorker() as worker:
+        await worker.register()
+        call = await post(path, body=chat(stream=True))
+        request = await worker.expect(protocol.Request)
+        await worker.chunk(request.request_id, before)
+        await call.start()
+        assert await call.chunk() == (before.encode(), True)
+        # The end, cut in two where a marker could be missed.
+        cut = len(last) // 3
+        await worker.chunk(request.request_id, last[:cut])
+        await worker.chunk(request.request_id, last[cut:])
+        seen = b""
+        while seen != last.encode():
+            seen += (await call.chunk())[0]
+        # The SDKs hang up here, often before the worker's completion arrives.
+        await call.comm.send_input({"type": "http.disconnect"})
+        await until(lambda: relay().stats.left_after_end == 1)
+        assert total_load() == 1  # still in flight: the completion is awaited
+        await worker.answer(request.request_id, body="", prompt_tokens=7, completion_tokens=5)
+        await call.finished()
+        stats = relay().stats
+        assert dict(stats.by_outcome) == {"ok": 1} and stats.cancels == {}
+        assert (stats.tokens_total("prompt"), stats.tokens_total("completion")) == (7, 5)
+        assert total_load() == 0
+        second = await post()
+        # No cancel was sent: the next frame is the next request.
+        nxt = await worker.expect(protocol.Request)
+        await worker.answer(nxt.request_id)
+        assert (await second.response())[0] == 200
+
+
+async def test_a_completion_that_does_not_come_within_the_grace_is_cancelled(provider, settings):
+    settings.STREAM_END_GRACE_SECS = 0.05
+    async with FakeWorker() as worker:
+        await worker.register()
+        call = await post(body=chat(stream=True))
+        request = await worker.expect(protocol.Request)
+        await worker.chunk(request.request_id, "data: [DONE]\n\n")
+        await call.start()
+        await call.chunk()
+        await call.comm.send_input({"type": "http.disconnect"})
+        cancel = await worker.expect(protocol.Cancel)
+        assert cancel == protocol.Cancel(request_id=request.request_id, reason="client_disconnect")
+        await call.finished()
+        assert relay().stats.left_after_end == 1 and total_load() == 0
+        assert dict(relay().stats.by_outcome) == {"cancelled": 1}
+
+
+@pytest.mark.parametrize(("path", "before", "last"), LAST_EVENTS)
+async def test_a_client_that_leaves_before_the_last_event_still_cancels(
+    provider, path, before, last
+):
+    async with FakeWorker() as worker:
+        await worker.register()
+        call = await post(path, body=chat(stream=True))
+        request = await worker.expect(protocol.Request)
+        await worker.chunk(request.request_id, before)  # mentions the end, is not it
+        await call.start()
+        await call.chunk()
+        await call.disconnect()
+        cancel = await worker.expect(protocol.Cancel)
+        assert cancel == protocol.Cancel(request_id=request.request_id, reason="client_disconnect")
+        assert relay().stats.left_after_end == 0 and total_load() == 0
+        assert dict(relay().stats.by_outcome) == {"cancelled": 1}
+
+
 # -- worker loss -----------------------------------------------------------------
 
 

@@ -270,3 +270,17 @@ async def test_a_reply_truncated_anywhere_waits_for_the_rest():
         async with fake_redis(_in_two_parts(reply, cut)) as url, lean_at(url) as lean:
             async with asyncio.timeout(10):
                 assert await Script(lean, "return 1")(args=[1]) == [b"hello", -12]
+
+
+@pytest.mark.redis
+def test_it_runs_on_uvloop_as_under_uvicorn(redis_server):
+    """``manage.py serve --server uvicorn`` runs the relay on uvloop, whose transports
+    are not subclasses of asyncio's: the client must take them all the same."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def call() -> object:
+        async with lean_at(URL) as lean:
+            return await echo_script(lean)(keys=["k"], args=["text"])
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        assert runner.run(call()) == b"text"

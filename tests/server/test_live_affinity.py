@@ -8,13 +8,14 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.cacheupstream import UpstreamPool, caching_upstreams
+from tests.cacheupstream import Served, UpstreamPool, caching_upstreams
 from tests.live import LiveServer, live_server
 from tests.test_e2e import WorkerProcess, poll, running_worker, workers_connected
 
@@ -32,39 +33,62 @@ class Rig:
         self.pool = pool
         self.workers = workers
         self.client = httpx.Client(base_url=server.url, timeout=20)
+        #: Two API keys (keys are required): requests are key A's unless said otherwise.
+        self.keys = {name: self._new_key(name) for name in ("A", "B")}
 
-    def chat(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> str:
-        """Send ``body`` (as these exact bytes); returns the assistant's reply."""
+    def _new_key(self, name: str) -> str:
+        made = self.client.post(
+            "/admin/keys", json={"name": name}, headers={"authorization": f"Bearer {ADMIN}"}
+        )
+        assert made.status_code == 201, made.text
+        return made.json()["secret"]
+
+    def chat(
+        self, body: dict[str, Any], headers: dict[str, str] | None = None, key: str = "A"
+    ) -> str:
+        """Send ``body`` (as these exact bytes) with API key ``key``; returns the reply."""
         raw = json.dumps(body).encode()
         response = self.client.post(
-            CHAT, content=raw, headers={"content-type": "application/json", **(headers or {})}
+            CHAT,
+            content=raw,
+            headers={
+                "content-type": "application/json",
+                "authorization": f"Bearer {self.keys[key]}",
+                **(headers or {}),
+            },
         )
         assert response.status_code == 200, response.text
         return response.json()["choices"][0]["message"]["content"]
 
-    def upstream_of(self, raw: bytes) -> int:
-        """Which backend served the request whose body was ``raw``."""
-        found = [s.index for s in self.pool.served if s.body == raw]
+    def served(self, body: dict[str, Any]) -> Served:
+        """The backend's record of the request whose body was ``body``."""
+        raw = json.dumps(body).encode()
+        found = [s for s in self.pool.served if s.body == raw]
         assert len(found) == 1, "the body did not reach one backend unchanged"
         return found[0]
+
+    def upstream_of(self, raw: bytes) -> int:
+        """Which backend served the request whose body was ``raw``."""
+        return self.served(json.loads(raw)).index
 
     def stats(self) -> dict[str, Any]:
         headers = {"authorization": f"Bearer {ADMIN}"}
         return self.client.get("/admin/stats", headers=headers).json()["routing"]
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    """One server and two workers for the whole module (each test its own
-    conversations; the test that stops a worker comes last)."""
+@contextmanager
+def running_rig(data_dir: Path, **env: str) -> Iterator[Rig]:
+    """A server requiring API keys, and two workers, each with its caching backend."""
     with ExitStack() as stack:
         pool = stack.enter_context(caching_upstreams(2, model=MODEL))
         server = stack.enter_context(
             live_server(
-                tmp_path_factory.mktemp("affinity") / "server",
+                data_dir,
                 MODELRELAY_ADMIN_TOKEN=ADMIN,
+                MODELRELAY_REQUIRE_API_KEYS="true",
                 AFFINITY_BLOCK_BYTES="64",
                 AFFINITY_SESSION_HEADER=SESSION_HEADER,
+                **env,
             )
         )
         flags = ["--models", MODEL, "--max-concurrent", "8"]
@@ -76,6 +100,14 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
         rig = Rig(server, pool, workers)
         yield rig
         rig.client.close()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    """One server and two workers for the whole module (each test its own
+    conversations; the test that stops a worker comes last)."""
+    with running_rig(tmp_path_factory.mktemp("affinity") / "server") as running:
+        yield running
 
 
 def conversation(n: int, turns: int, replies: list[str]) -> dict[str, Any]:
@@ -147,7 +179,12 @@ def test_the_guard_spills_one_hot_conversation_to_the_other_worker(rig: Rig):
             with httpx.Client(base_url=rig.server.url, timeout=20) as client:
                 raw = json.dumps(document).encode()  # the same bytes as the first turn's
                 response = client.post(
-                    CHAT, content=raw, headers={"content-type": "application/json"}
+                    CHAT,
+                    content=raw,
+                    headers={
+                        "content-type": "application/json",
+                        "authorization": f"Bearer {rig.keys['A']}",
+                    },
                 )
                 results.append(response.status_code)
 
@@ -167,6 +204,55 @@ def test_the_guard_spills_one_hot_conversation_to_the_other_worker(rig: Rig):
     assert where[1 - home] == 1
     assert rig.stats()["decisions"]["guard"] >= 1
     poll(lambda: rig.pool.in_flight() == 0, what="the burst to end")
+
+
+def key_b_copies_key_a(rig: Rig, tag: int) -> tuple[list[bool], list[bool], int]:
+    """Key A sends eight new conversations, then key B each of them again (the same
+    prompt, ``user`` aside); then A six more under prompt_cache_keys, and B another
+    conversation under each of those keys. Returns, for B's copies of the prompts and of
+    the keys, whether each went to A's backend, and the hits the relay counted for B."""
+    same_prompt, same_key = [], []
+    hits = 0
+    for i in range(8):
+        body = conversation(tag + i, 2, ["A reply."])
+        rig.chat(body | {"user": "a"})
+        before = rig.stats()["decisions"]["hit"]
+        rig.chat(body | {"user": "b"}, key="B")
+        hits += rig.stats()["decisions"]["hit"] - before
+        copy = rig.served(body | {"user": "b"})
+        same_prompt.append(copy.index == rig.served(body | {"user": "a"}).index)
+        assert same_prompt[-1] or copy.cached_tokens == 0  # a backend of its own: nothing
+    for i in range(6):
+        mine = conversation(tag + 50 + i, 1, []) | {"prompt_cache_key": f"project-{tag}-{i}"}
+        rig.chat(mine)
+        theirs = conversation(tag + 80 + i, 1, []) | {"prompt_cache_key": f"project-{tag}-{i}"}
+        before = rig.stats()["decisions"]["hit"]
+        rig.chat(theirs, key="B")
+        hits += rig.stats()["decisions"]["hit"] - before
+        same_key.append(rig.served(theirs).index == rig.served(mine).index)
+    return same_prompt, same_key, hits
+
+
+def test_another_keys_copy_of_a_prompt_or_cache_key_is_placed_by_least_load(rig: Rig):
+    same_prompt, same_key, hits = key_b_copies_key_a(rig, 100)
+    # Least-load alternates new conversations between the two workers: B's copy goes
+    # where A's request did not (never more than half of them, whatever the ties).
+    assert sum(same_prompt) <= 4 and sum(same_key) <= 3, (same_prompt, same_key)
+    assert hits == 0
+    assert rig.stats()["share_across_keys"] is False
+
+
+def test_keys_that_share_prefixes_follow_each_others_workers(tmp_path: Path):
+    with running_rig(tmp_path / "server", AFFINITY_SHARE_ACROSS_KEYS="true") as shared:
+        same_prompt, same_key, hits = key_b_copies_key_a(shared, 100)
+        assert all(same_prompt) and all(same_key), (same_prompt, same_key)
+        assert hits == 8 + 6
+        assert shared.stats()["share_across_keys"] is True
+        # The backend reused A's prefix for B: what sharing costs, as documented.
+        assert all(
+            shared.served(conversation(100 + i, 2, ["A reply."]) | {"user": "b"}).cached_tokens
+            for i in range(8)
+        )
 
 
 def test_a_backend_reporting_misses_and_a_worker_leaving_lose_their_entries(rig: Rig):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +34,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         tmp_path_factory.mktemp("limits"),
         MODELRELAY_REQUIRE_API_KEYS="true",
         MODELRELAY_ADMIN_TOKEN=ADMIN,
+        BATCH_POLL_SECS="0.05",
+        BATCH_FLUSH_SECS="0.02",
     ) as running:
         yield running
 
@@ -42,11 +46,11 @@ async def worker(server: LiveServer) -> AsyncIterator[ScriptedWorker]:
         yield scripted
 
 
-async def new_key(server: LiveServer, **limits: Any) -> str:
+async def new_key(server: LiveServer, name: str = "sdk", **limits: Any) -> str:
     async with httpx.AsyncClient(base_url=server.url, timeout=10) as admin:
         made = await admin.post(
             "/admin/keys",
-            json={"name": "sdk", **limits},
+            json={"name": name, **limits},
             headers={"Authorization": f"Bearer {ADMIN}"},
         )
     assert made.status_code == 201, made.text
@@ -129,3 +133,86 @@ async def test_a_token_budget_crossed_midway_finishes_that_request_then_refuses(
     now = time.time()
     until_midnight = 86_400 - now % 86_400
     assert abs(int(refused.value.response.headers["retry-after"]) - until_midnight) <= 2
+
+
+async def spent_today(server: LiveServer, name: str) -> int:
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as admin:
+        stats = (
+            await admin.get("/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"})
+        ).json()
+    return sum(k["tokens_today"] for k in stats["keys"] if k["name"] == name)
+
+
+async def test_a_budget_counts_what_requests_in_flight_may_cost_and_settles_each(server, worker):
+    """A 10-token daily budget and requests that may cost 100 tokens: one at a time runs,
+    and one that cost less than it might gives the rest back when it ends."""
+    oa = client(server, await new_key(server, tokens_per_day=10, name="in-flight"))
+
+    async def chat_100() -> Any:
+        call = oa.chat.completions.create(model="m", messages=MESSAGES, max_tokens=100)  # type: ignore[arg-type]
+        return await asyncio.wait_for(call, 10)
+
+    held = asyncio.ensure_future(chat_100())
+    first = await worker.next()
+    with pytest.raises(openai.RateLimitError) as refused:  # 0 spent, but 100 reserved
+        await chat_100()
+    assert refused.value.code == "insufficient_quota"
+    await worker.answer(first, prompt=2, completion_=2)  # it cost 4: 96 come back
+    await held
+    again = asyncio.ensure_future(chat_100())  # 4 of 10 spent: admitted
+    await worker.answer(await worker.next(), prompt=5, completion_=5)
+    await again
+    with pytest.raises(openai.RateLimitError):  # 14 spent
+        await chat_100()
+    assert await spent_today(server, "in-flight") == 14
+
+
+async def batch_metric(server: LiveServer, name: str) -> float:
+    async with httpx.AsyncClient(base_url=server.url, timeout=10) as scraper:
+        text = (await scraper.get("/metrics")).text
+    found = re.search(rf"^{name}(?:_total)? (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_batch_lines_of_a_budgeted_key_run_no_more_than_its_budget_covers(server, worker):
+    """Four lines of 100 tokens at most, four free slots and a 10-token daily budget:
+    the first line runs, the others are refused while it may still cost 100."""
+    secret = await new_key(server, tokens_per_day=10, name="batch-budget")
+    auth = {"Authorization": f"Bearer {secret}"}
+    lines = [
+        {
+            "custom_id": f"line-{n}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": MESSAGES, "max_tokens": 100},
+        }
+        for n in range(4)
+    ]
+    retries = await batch_metric(server, "modelrelay_batch_line_retries")
+    async with httpx.AsyncClient(base_url=server.url, headers=auth, timeout=10) as api:
+        content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+        uploaded = await api.post(
+            "/v1/files",
+            files={"file": ("in.jsonl", content, "application/jsonl")},
+            data={"purpose": "batch"},
+        )
+        assert uploaded.status_code == 200, uploaded.text
+        made = await api.post(
+            "/v1/batches",
+            json={
+                "input_file_id": uploaded.json()["id"],
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        )
+        assert made.status_code == 200, made.text
+    first = await worker.next()
+    async with asyncio.timeout(10):  # the other lines were tried: refused at admission
+        while await batch_metric(server, "modelrelay_batch_line_retries") <= retries:
+            await asyncio.sleep(0.02)
+    assert worker.requests.empty() and worker.holding == {first.request_id}
+    await worker.answer(first, prompt=3, completion_=2)
+    async with asyncio.timeout(10):
+        while await spent_today(server, "batch-budget") != 5:
+            await asyncio.sleep(0.05)
+    assert worker.requests.empty()

@@ -89,7 +89,7 @@ async def test_the_old_api_is_served_by_a_legacy_node(shared: LiveServer) -> Non
             assert json.loads(await incoming.__anext__()) == {"o": "echo: "}
             box.kill()
             rest = [json.loads(line) async for line in incoming if line]
-        assert rest == [{"err": "timeout waiting for finish"}]
+        assert rest == [{"err": "node lost"}]
 
 
 async def test_the_old_api_is_served_by_a_modern_worker(shared: LiveServer) -> None:
@@ -128,7 +128,7 @@ async def test_the_old_api_is_served_by_a_modern_worker(shared: LiveServer) -> N
     ):
         await serving(shared, "old-api-dead")
         status, lines = await old_chat(client, model="old-api-dead")
-        assert (status, lines) == (200, [{"err": "timeout waiting for finish"}])
+        assert (status, lines) == (200, [{"err": "backend error 502"}])
     backend.close()
 
 
@@ -146,6 +146,10 @@ async def test_the_old_api_with_keys_required_and_its_deadlines(
             made = await client.post("/admin/keys", headers=ADMIN, json={"name": "old-client"})
             key = made.json()["secret"]
             bearer = {"authorization": f"Bearer {key}"}
+            made = await client.post(
+                "/admin/keys", headers=ADMIN, json={"name": "rpm", "requests_per_minute": 1}
+            )
+            limited = {"authorization": f"Bearer {made.json()['secret']}"}
             async with node(server, "kept", stepped=True) as box:
                 await serving(server, "kept")
                 assert (await old_chat(client, model="kept"))[1] == [{"err": "unauthorized"}]
@@ -167,3 +171,14 @@ async def test_the_old_api_with_keys_required_and_its_deadlines(
                 assert waiting[1] == [{"err": "timeout waiting for node"}]
                 assert (await held)[1] == [{"err": "timeout waiting for finish"}]
                 await box.wait_stop(task["id"])
+
+                # A key over its requests per minute: told so, not of a timeout.
+                box.release(2)
+                status, lines = await old_chat(client, limited, model="kept")
+                assert (status, lines[-1]) == (200, {"done": True})
+                response = await client.post(
+                    "/api/chat", json={"model": "kept", "messages": user("again")}, headers=limited
+                )
+                assert response.status_code == 429
+                assert int(response.headers["retry-after"]) >= 1
+                assert response.json() == {"err": "rate limit of this key exceeded"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -12,8 +13,9 @@ from asgiref.sync import sync_to_async
 from keys.services import create_key
 from relay.server import runtime
 from relay.wire import protocol
-from tests.asgikit import FakeWorker, make_provider, until
-from tests.batchkit import Answering, call
+from tests.asgikit import FakeWorker, HttpCall, make_provider, until
+from tests.batchkit import Answering, call, least_stall
+from tests.stall import STALL_BUDGET_MS
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -198,3 +200,65 @@ async def test_keys_use_x_api_key_and_see_only_their_batches(worker, settings):
     )
     assert status == 429 and document["error"]["type"] == "rate_limit_error"
     assert "more than 2" in document["error"]["message"]
+
+
+@pytest.mark.parametrize("worker", [{"MAX_REQUEST_BYTES": 4096}], indirect=True)
+async def test_params_of_max_request_bytes_run_and_one_byte_more_refuse_the_batch(worker):
+    def sized(custom_id: str, size: int) -> dict:
+        item = request(custom_id)
+        bare = len(json.dumps({**item["params"], "pad": ""}))
+        item["params"]["pad"] = "x" * (size - bare)
+        assert len(json.dumps(item["params"])) == size
+        return item
+
+    batch = await create(sized("fits", 4096))
+    assert (await wait_ended(batch["id"]))["request_counts"]["succeeded"] == 1
+    # Sent as it came: the params' bytes, never decoded and encoded again.
+    assert worker.requests[0].body == json.dumps(sized("fits", 4096)["params"])
+    status, document = await call(
+        "POST", BATCHES, {"requests": [request("a"), sized("over", 4097)]}, ANTHROPIC
+    )
+    assert status == 413, document
+    assert document["error"]["type"] == "request_too_large"
+    assert document["error"]["message"].startswith("requests.1.params: larger than 4096 bytes")
+    assert len(worker.requests) == 1
+
+
+async def test_a_body_nested_as_deep_as_json_goes_runs_and_deeper_is_400(worker):
+    def nested(depth: int) -> bytes:
+        params = json.dumps(request("deep")["params"])[:-1]
+        params += ', "x": ' + "[" * depth + "]" * depth + "}"
+        return f'{{"requests": [{{"custom_id": "deep", "params": {params}}}]}}'.encode()
+
+    status, batch = await call("POST", BATCHES, nested(500), ANTHROPIC)
+    assert status == 200, batch
+    assert (await wait_ended(batch["id"]))["request_counts"]["succeeded"] == 1
+    status, document = await call("POST", BATCHES, nested(100_000), ANTHROPIC)
+    assert status == 400 and document["error"]["message"] == "Request body is nested too deeply"
+
+
+@pytest.mark.parametrize("worker", [{"BATCH_FILE_MAX_BYTES": 24 * 1024 * 1024}], indirect=True)
+async def test_the_largest_message_batch_never_stalls_the_event_loop(worker, settings):
+    escapes = '\\"\u00e9{}[]' * 2000
+    item = request("r", said="hold")
+    item["params"]["pad"] = escapes
+    one = len(json.dumps(item)) + 2
+    count = settings.BATCH_FILE_MAX_BYTES // one
+    items = [{**item, "custom_id": f"r{i}"} for i in range(count)]
+    body = json.dumps({"requests": items}).encode()
+    body += b" " * (settings.BATCH_FILE_MAX_BYTES - len(body))
+    await create(request("warm"))  # first calls (the application's set-up) out of the measure
+
+    def prepare() -> Callable[[], Awaitable[None]]:
+        creating = HttpCall("POST", BATCHES, body, ANTHROPIC)
+
+        async def run() -> None:
+            status, batch = await (await creating.send(split=64 * 1024)).json(timeout=60)
+            assert status == 200, batch
+            assert batch["request_counts"]["processing"] == count
+
+        return run
+
+    assert (stall := await least_stall(prepare)) < STALL_BUDGET_MS, stall
+    status, document = await call("POST", BATCHES, body + b" ", ANTHROPIC)
+    assert status == 413 and document["error"]["type"] == "request_too_large"

@@ -1,7 +1,9 @@
 """The cluster link's HTTP/1.1 client against raw socket servers on 127.0.0.1.
 
-Hostile answers (malformed framing, truncation, an oversized head) are a PeerError for
-that request only, and the next request is served on a new connection.
+Hostile answers (:mod:`tests.wire.responses`: malformed framing, truncation, an
+oversized head) are a PeerError for that request only, and the next request is served
+on a new connection. The reader both clients share is tested in
+``tests/wire/test_http1.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from relay.server.cluster.peerhttp import MAX_HEAD, PeerClient, PeerError, PeerRefused
+from relay.server.cluster.peerhttp import PeerClient, PeerError, PeerRefused
+from relay.wire.http1 import MAX_HEAD_BYTES
+from tests.wire.responses import MALFORMED
 
 Reply = Callable[[bytes], bytes | None]
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -152,7 +156,7 @@ async def test_a_garbled_status_line_is_an_error():
         with pytest.raises(PeerError) as caught:
             await client.post(address, "/", {}, b"")
         out_err = caught.value
-    assert "bad response" in str(out_err)
+    assert "malformed response" in str(out_err)
     await client.aclose()
 
 
@@ -171,41 +175,6 @@ async def test_interim_responses_are_skipped_and_a_body_may_end_with_the_connect
 
 CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
-
-
-def _length_head(value: str) -> bytes:
-    return b"HTTP/1.1 200 OK\r\nContent-Length: " + value.encode() + b"\r\n\r\n"
-
-
-#: Answers no exchange may survive; the server closes after writing each one.
-MALFORMED = {
-    "negative chunk size": CHUNKED_HEAD + b"1\r\nA\r\n-6\r\nXXXX",
-    "chunk size with a plus sign": CHUNKED_HEAD + b"+1\r\nA\r\n0\r\n\r\n",
-    "chunk size with 0x": CHUNKED_HEAD + b"0x1\r\nA\r\n0\r\n\r\n",
-    "chunk size with an underscore": CHUNKED_HEAD + b"1_0\r\n" + b"A" * 16 + b"\r\n0\r\n\r\n",
-    "chunk size past 64 bits": CHUNKED_HEAD + b"1" + b"0" * 16 + b"\r\n",
-    "chunk data longer than its size": CHUNKED_HEAD + b"1\r\nAB\r\n0\r\n\r\n",
-    "superscript two as content-length": _length_head("\u00b2") + b"ok",
-    "arabic-indic digit as content-length": _length_head("\u0662") + b"ok",
-    "content-length with a sign": _length_head("+2") + b"ok",
-    "content-length then transfer-encoding": b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n"
-    b"Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n",
-    "transfer-encoding then content-length": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
-    b"Content-Length: 3\r\n\r\n2\r\nok\r\n0\r\n\r\n",
-    "a transfer-coding other than chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n"
-    b"\r\nabc",
-    "truncated mid-chunk": CHUNKED_HEAD + b"a\r\nabc",
-    "truncated between chunks": CHUNKED_HEAD + b"3\r\nabc\r\n",
-    "truncated mid-head": b"HTTP/1.1 200 OK\r\nContent-Len",
-    "truncated mid-body": _length_head("10") + b"abc",
-    "garbage status line": b"SPDY/9 what\r\n\r\n",
-    "status code not digits": b"HTTP/1.1 2x0 OK\r\n\r\n",
-    "an HTTP/2 status line": b"HTTP/2.0 200 OK\r\nContent-Length: 0\r\n\r\n",
-    "a header line without a colon": b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
-    "switching protocols": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
-    "bytes after the end of the answer": OK + b"EXTRA",
-    "a second answer after the first": OK + OK,
-}
 
 
 class RawServer:
@@ -301,12 +270,12 @@ async def test_an_answer_framed_both_ways_is_refused_and_its_connection_not_reus
 _SHORTEST = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Pad: \r\n\r\n"
 
 
-@pytest.mark.parametrize("split", [None, 1000, MAX_HEAD - 1, MAX_HEAD])
+@pytest.mark.parametrize("split", [None, 1000, MAX_HEAD_BYTES - 1, MAX_HEAD_BYTES])
 async def test_a_head_of_the_limit_is_read_and_one_byte_more_is_refused(split: int | None):
     def padded(size: int) -> bytes:
         return _SHORTEST.replace(b"X-Pad: ", b"X-Pad: " + b"p" * (size - len(_SHORTEST))) + b"ok"
 
-    answers = [padded(MAX_HEAD), padded(MAX_HEAD + 1)]
+    answers = [padded(MAX_HEAD_BYTES), padded(MAX_HEAD_BYTES + 1)]
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -322,7 +291,7 @@ async def test_a_head_of_the_limit_is_read_and_one_byte_more_is_refused(split: i
     client = PeerClient()
     async with RawServer(handler) as server:
         assert await _exchange(client, server.address) == (200, b"ok")
-        with pytest.raises(PeerError, match="head too large"):
+        with pytest.raises(PeerError, match="head is too large"):
             await _exchange(client, server.address)
     await client.aclose()
 

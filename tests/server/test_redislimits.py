@@ -12,7 +12,12 @@ import pytest
 from relay.core.limits import KeyLimits, Limiter
 from relay.server.cluster.limits import RedisLimitStore
 from relay.wire import protocol
-from relay.wire.errors import ConcurrencyLimited, DailyQuotaExceeded, RequestRateLimited
+from relay.wire.errors import (
+    ConcurrencyLimited,
+    DailyQuotaExceeded,
+    MonthlyQuotaExceeded,
+    RequestRateLimited,
+)
 from tests.conftest import REDIS_URL, require_redis
 
 pytestmark = pytest.mark.redis
@@ -110,3 +115,64 @@ async def test_the_request_rate_and_budgets_are_shared(stores):
     with pytest.raises(DailyQuotaExceeded):
         await b.admit(2, budget, "m")
     assert await b.spend([2, 3]) == {2: (120, 120)}
+
+
+async def test_reservations_are_shared_and_settled_with_the_real_tokens(stores):
+    a, b = Limiter(stores("a")), Limiter(stores("b"))
+    budget = KeyLimits(tokens_per_day=10, tokens_per_month=1000)
+    first = await a.admit(1, budget, "m", 100)
+    assert first.reserved == 100
+    with pytest.raises(DailyQuotaExceeded):  # 0 spent, 100 reserved at a
+        await b.admit(1, budget, "m", 100)
+    first.close(protocol.TokenCounts(total_tokens=4))  # cost 4: the other 96 given back
+    await settled(a.store)  # type: ignore[arg-type]
+    second = await b.admit(1, budget, "m", 100)
+    assert await a.spend([1]) == {1: (4, 4)}
+    second.close()  # failed or cancelled: released, nothing charged
+    await settled(b.store)  # type: ignore[arg-type]
+    store = a.store
+    assert isinstance(store, RedisLimitStore)
+    assert await store.redis.hgetall(store._key("reserved", 1)) == {}
+    assert await a.spend([1]) == {1: (4, 4)}
+    monthly = KeyLimits(tokens_per_month=50)
+    held = await b.admit(2, monthly, "m", 60)
+    with pytest.raises(MonthlyQuotaExceeded):
+        await a.admit(2, monthly, "m", 1)
+    held.close()
+
+
+async def test_the_reservations_of_a_process_that_died_stop_counting_after_its_lease(stores):
+    survivor = Limiter(stores("alive", lease_secs=0.3))
+    doomed = Limiter(stores("doomed", lease_secs=0.3, run=False))
+    budget = KeyLimits(tokens_per_day=10)
+    assert (await doomed.admit(1, budget, "m", 100)).reserved == 100  # and it dies
+    with pytest.raises(DailyQuotaExceeded):
+        await survivor.admit(1, budget, "m")
+    async with asyncio.timeout(5):
+        while True:
+            try:
+                ticket = await survivor.admit(1, budget, "m")
+                break
+            except DailyQuotaExceeded:
+                await asyncio.sleep(0.05)
+    ticket.close()
+
+
+async def test_what_redis_lost_of_a_process_s_reservations_is_put_back_with_expiries(stores):
+    store = stores("a", lease_secs=0.3)
+    a = Limiter(store)
+    budget = KeyLimits(tokens_per_day=1000, max_concurrent=5)
+    one, two = await a.admit(1, budget, "m", 100), await a.admit(1, budget, "m", 200)
+    reserved, slots = store._key("reserved", 1), store._key("slots", 1)
+    assert await store.redis.hget(reserved, "a") == "300"
+    assert min(await store.redis.pttl(reserved), await store.redis.pttl(slots)) > 0
+    await store.redis.delete(reserved, slots)  # evicted, say
+    one.close()  # gives back more than Redis holds: the heartbeat re-asserts the rest
+    async with asyncio.timeout(5):
+        while await store.redis.hget(reserved, "a") != "200":
+            await asyncio.sleep(0.02)
+    assert await store.redis.hget(slots, "a") == "1"
+    assert min(await store.redis.pttl(reserved), await store.redis.pttl(slots)) > 0
+    two.close()
+    await settled(store)
+    assert await store.redis.exists(reserved, slots) == 0

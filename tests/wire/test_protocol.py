@@ -131,6 +131,54 @@ def test_a_pong_beyond_the_reference_types_is_a_protocol_error(fields):
         protocol.decode_worker_message('{"type":"pong",' + fields + "}")
 
 
+def _counts(fields: str) -> protocol.TokenCounts | None:
+    message = protocol.decode_worker_message(
+        '{"type":"response_complete","request_id":"r","status_code":200,'
+        '"token_counts":{' + fields + "}}"
+    )
+    assert isinstance(message, protocol.ResponseComplete)
+    return message.token_counts
+
+
+def test_counts_up_to_the_bound_are_taken_as_they_are():
+    counts = _counts(
+        f'"prompt_tokens":{protocol.MAX_TOKENS},"completion_tokens":0,'
+        f'"total_tokens":{protocol.MAX_TOKENS},"cached_tokens":7'
+    )
+    assert counts == protocol.TokenCounts(protocol.MAX_TOKENS, 0, protocol.MAX_TOKENS, 7)
+    assert not counts.estimated
+
+
+@pytest.mark.parametrize("name", ["prompt_tokens", "completion_tokens", "total_tokens"])
+@pytest.mark.parametrize("absurd", [protocol.MAX_TOKENS + 1, 10**13, 2**63, U64_MAX])
+def test_a_u64_count_past_the_bound_is_dropped_and_the_counts_marked_an_estimate(name, absurd):
+    counts = _counts(f'"prompt_tokens":3,"completion_tokens":4,"total_tokens":7,"{name}":{absurd}')
+    assert counts is not None and counts.estimated
+    assert getattr(counts, name) is None
+    kept = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    del kept[name]
+    assert {k: getattr(counts, k) for k in kept} == kept
+    cached = _counts(f'"completion_tokens":1,"cached_tokens":{absurd}')
+    assert cached == protocol.TokenCounts(completion_tokens=1, estimated=True)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        f'"prompt_tokens":{U64_MAX + 1}',  # wider than a u64
+        f'"completion_tokens":{"9" * 400}',
+        '"total_tokens":-1',  # a u64 holds no negative count
+        '"cached_tokens":-1',
+        '"prompt_tokens":1.0',  # not an integer
+        '"prompt_tokens":"1"',
+        '"estimated":1',
+    ],
+)
+def test_counts_beyond_the_reference_types_are_a_protocol_error(fields):
+    with pytest.raises(ProtocolError):
+        _counts(fields)
+
+
 @pytest.mark.parametrize("load", [2**31, U32_MAX])
 def test_a_register_and_a_models_update_take_u32_loads_and_clamp_them(load):
     register = protocol.decode_worker_message(

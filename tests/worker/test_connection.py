@@ -20,11 +20,13 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.streams import StreamReader
 
+from relay.wire.http1 import LENGTH, NO_BODY
 from relay.wire.protocol import ResponseChunk, encode
 from relay.worker.connection import BodyTooLarge
-from relay.worker.http1 import LENGTH, NO_BODY, Origin, request_head
+from relay.worker.http1 import Origin, request_head
 from relay.worker.outbox import Outbox, chunk_frame, chunk_prefix, masked_text_frames
-from tests.worker.rawbackend import OK, Backend, answering, chunked, collect, post, read_request
+from tests.wire.responses import OK
+from tests.worker.rawbackend import Backend, answering, chunked, collect, post, read_request
 
 # --------------------------------------------------------------------------- framing
 

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from relay.wire.protocol import ResponseComplete
-from tests.worker.rawbackend import MALFORMED, read_request
+from tests.wire.responses import MALFORMED
+from tests.worker.rawbackend import read_request
 from tests.worker.test_worker import FAST, SECRET, FakeRelay, RelaySide, WorkerProcess
 
 SSE = b"data: {}\n\ndata: [DONE]\n\n"

@@ -1,7 +1,8 @@
 """The worker's backend connections against hostile and stale backends on 127.0.0.1.
 
-A malformed response fails its own exchange with ``RemoteProtocolError`` and closes
-that connection; the pool serves the next request on a new one. A kept-alive
+A malformed response (:mod:`tests.wire.responses`; the reader itself is tested in
+``tests/wire/test_http1.py``) fails its own exchange with ``RemoteProtocolError`` and
+closes that connection; the pool serves the next request on a new one. A kept-alive
 connection the backend closed is never used, and a request that met the backend's
 close is sent once more on a new connection. Each test runs on asyncio's event loop
 and on uvloop's.
@@ -17,17 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
-from relay.worker.http1 import CHUNKED, MAX_HEAD_BYTES, ResponseReader
-from tests.worker.rawbackend import (
-    CHUNKED_HEAD,
-    MALFORMED,
-    OK,
-    SHORTEST,
-    Backend,
-    collect,
-    padded_head,
-    read_request,
-)
+from relay.wire.http1 import MAX_HEAD_BYTES
+from tests.wire.responses import MALFORMED, OK, SHORTEST, padded_head
+from tests.worker.rawbackend import Backend, collect, read_request
 
 
 def first_malformed_then_ok(response: bytes) -> Any:
@@ -147,18 +140,6 @@ def test_a_head_that_never_ends_is_refused_at_the_limit(run: Any) -> None:
                     await collect(pool)
 
     run(main())
-
-
-def test_the_reader_never_loops_on_what_used_to_spin_the_worker() -> None:
-    """The audit's reproduction, fed byte by byte: parsing stops at the ``-``."""
-    bodies: list[bytes] = []
-    reader = ResponseReader(lambda head: None, bodies.append)
-    data = CHUNKED_HEAD + b"1\r\nA\r\n-6\r\nXXXX"
-    with pytest.raises(httpx.RemoteProtocolError, match="chunk size"):
-        for i in range(len(data)):
-            reader.feed(data[i : i + 1])
-    assert reader.head is not None and reader.head.framing == CHUNKED
-    assert bodies == [b"A"]
 
 
 # --------------------------------------------------------------------------- stale connections

@@ -5,15 +5,22 @@ would have received without it (relay/worker/usage.py)."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
+from openai._streaming import SSEDecoder
 
 from relay.wire.protocol import TokenCounts
-from relay.worker.usage import UsageScanner, UsageStripper, ask_for_usage
-from tests.upstream import FakeUpstream
+from relay.worker.usage import UsageScanner, ask_for_usage
+from tests.live import live_server
+from tests.test_e2e import Stack, body_for, poll, serving, token_metrics
+from tests.upstream import FakeUpstream, ThreadedUpstream, upstream_in_thread
 from tests.worker.test_worker import CHAT, MESSAGES, FakeRelay, RelaySide, config, direct, running
 
 COMPLETIONS = "/v1/completions"
@@ -58,35 +65,9 @@ def test_the_body_is_left_alone_when_usage_comes_anyway(path: str, body: str) ->
 
 # -- the stream ----------------------------------------------------------------------
 
-CHUNK = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}],"usage":null}\n\n'
 PLAIN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 USAGE = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
 DONE = b"data: [DONE]\n\n"
-
-
-@pytest.mark.parametrize("piece", [1, 7, 64, 10_000])
-def test_the_usage_event_and_nulls_are_taken_out_whatever_the_reads(piece: int) -> None:
-    stream = CHUNK + CHUNK.replace(b"hi", b'\\"usage\\":null') + USAGE + DONE
-    out: list[bytes] = []
-    stripper = UsageStripper(out.append)
-    for at in range(0, len(stream), piece):
-        stripper.feed(stream[at : at + piece])
-    stripper.finish()
-    assert b"".join(out) == PLAIN + PLAIN.replace(b"hi", b'\\"usage\\":null') + DONE
-
-
-def test_each_whole_event_is_passed_on_at_once() -> None:
-    out: list[bytes] = []
-    stripper = UsageStripper(out.append)
-    stripper.feed(PLAIN)
-    assert out == [PLAIN]
-    stripper.feed(PLAIN[:10])
-    assert out == [PLAIN]  # an unfinished event waits for its end
-    stripper.feed(PLAIN[10:] + USAGE[:20])
-    assert out == [PLAIN, PLAIN]
-    stripper.feed(USAGE[20:] + DONE)
-    stripper.finish()
-    assert out == [PLAIN, PLAIN, DONE]
 
 
 def test_a_stream_without_usage_is_counted_and_marked_an_estimate() -> None:
@@ -109,18 +90,33 @@ def test_a_stream_without_usage_is_counted_and_marked_an_estimate() -> None:
 
 
 async def relayed(
-    upstream: FakeUpstream, path: str, extra: dict[str, Any] | None = None
+    upstream: FakeUpstream,
+    path: str,
+    extra: dict[str, Any] | None = None,
+    mock: dict[str, Any] | None = None,
 ) -> AsyncIterator[tuple[RelaySide, str]]:
     async with FakeRelay() as relay, running(config(relay.url, upstream.url)):
         side = await relay.registered()
-        body = await side.request("r-s", path, stream=True, mock={"split_utf8": True}, extra=extra)
+        mock = {"split_utf8": True} if mock is None else mock
+        body = await side.request("r-s", path, stream=True, mock=mock, extra=extra)
         yield side, body
 
 
+#: How a backend may write its stream: each SSE line ending, a blank line apart.
+WRITES = {
+    "lf": {"split_utf8": True},
+    "crlf-blank-apart": {"line_ending": "crlf", "blank_apart": True},
+    "cr-blank-apart": {"line_ending": "cr", "blank_apart": True, "split_utf8": True},
+}
+
+
+@pytest.mark.parametrize("mock", WRITES.values(), ids=WRITES.keys())
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-async def test_a_client_that_did_not_ask_gets_the_exact_stream_and_is_charged(path: str) -> None:
+async def test_a_client_that_did_not_ask_gets_the_exact_stream_and_is_charged(
+    path: str, mock: dict[str, Any]
+) -> None:
     async with FakeUpstream(stream_usage="openai", tokens=6) as upstream:
-        async for side, body in relayed(upstream, path):
+        async for side, body in relayed(upstream, path, mock=mock):
             complete = await side.complete("r-s")
             assert complete.token_counts == TokenCounts(
                 prompt_tokens=7, completion_tokens=6, total_tokens=13
@@ -158,26 +154,6 @@ async def test_a_backend_that_ignores_the_option_is_charged_an_estimate() -> Non
 
 
 # -- llama-server's timings ------------------------------------------------------------
-
-TIMED = (
-    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2},'
-    b'"timings":{"cache_n":1,"prompt_n":2,"predicted_n":2}}\n\n'
-)
-
-
-def test_timings_on_the_usage_event_reach_the_client_without_the_usage() -> None:
-    out: list[bytes] = []
-    stripper = UsageStripper(out.append)
-    stripper.feed(PLAIN + TIMED[:30])
-    stripper.feed(TIMED[30:] + DONE)
-    stripper.finish()
-    received = b"".join(out)
-    assert received == (
-        PLAIN
-        + b'data: {"id":"c","choices":[],"timings":{"cache_n":1,"prompt_n":2,"predicted_n":2}}'
-        + b"\n\n"
-        + DONE
-    )
 
 
 def test_a_stream_reporting_only_timings_is_charged_from_them() -> None:
@@ -219,3 +195,96 @@ async def test_a_llama_server_stream_keeps_its_timings_and_is_then_left_exactly_
         assert second.token_counts is not None and not second.token_counts.estimated
         assert second.token_counts.completion_tokens == 4
         assert second.token_counts.prompt_tokens == first.token_counts.prompt_tokens
+
+
+# -- end to end ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A live server and the real worker.py before an upstream that reports usage only
+    when asked (as llama-server does)."""
+    with (
+        upstream_in_thread(total_slots=2) as up,
+        live_server(tmp_path_factory.mktemp("stream-usage") / "server") as server,
+        serving(server, up) as stack,
+    ):
+        yield stack
+
+
+def _writes(up: ThreadedUpstream, body: bytes, ending: bytes) -> list[tuple[bytes, bool, bool]]:
+    """The upstream's writes of the stream it sends the worker for ``body`` (asked for
+    usage, each closing blank line apart): each with whether its event reaches the
+    client (all but the usage event) and whether it is the event's line."""
+    document = json.loads(body)
+    document["stream_options"] = {"include_usage": True}
+    answer = httpx.post(up.url + CHAT, json=document, timeout=10).content
+    writes = []
+    for event in answer.split(ending * 2)[:-1]:
+        kept = b'"choices":[]' not in event
+        writes += [(event + ending, kept, True), (ending, kept, False)]
+    return writes
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("name", ["lf", "crlf", "cr"])
+def test_a_blank_line_read_apart_stays_with_its_event_through_the_relay(
+    live: Stack, name: str
+) -> None:
+    """The backend writes each event's closing blank line apart, and the worker reads
+    it apart (it is written once the client has the line before it): the client gets
+    the stream exactly as if it had not been asked for usage, its last chunk and
+    ``[DONE]`` two events, and the request is charged the usage."""
+    ending = {"lf": b"\n", "crlf": b"\r\n", "cr": b"\r"}[name]
+    mock = {"tokens": 3, "line_ending": name, "blank_apart": True}
+    expected = httpx.post(
+        live.upstream.url + CHAT, content=body_for(CHAT, stream=True, **mock), timeout=10
+    ).content
+    writes = _writes(live.upstream, body_for(CHAT, stream=True, **mock), ending)
+    metered = token_metrics(live.server)
+    seen = len(live.upstream.requests_to(CHAT))
+    received = bytearray()
+    arrived: queue.Queue[bytes | None] = queue.Queue()
+
+    def take(size: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(received) < size:
+            try:
+                data = arrived.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"the client has {bytes(received)!r} of {size}") from None
+            if data is None:
+                return
+            received.extend(data)
+
+    body = body_for(CHAT, stream=True, stepped=True, **mock)
+
+    def client() -> None:  # (the response starts once the first write went out)
+        with live.client.stream("POST", CHAT, content=body) as streamed:
+            for data in streamed.iter_raw():
+                arrived.put(data)
+        arrived.put(None)
+
+    reader = threading.Thread(target=client, daemon=True)
+    reader.start()
+    sent = live.upstream.wait_requests(seen + 1, CHAT)[-1]
+    written = kept = 0
+    for data, reaches_client, is_line in writes:
+        live.upstream.release()
+        written += len(data)
+        kept += len(data) if reaches_client else 0
+        if reaches_client and is_line:
+            take(kept)  # the worker read it: what comes next is another read
+        else:
+            poll(lambda size=written: sent.bytes_written >= size, what="the upstream's write")
+    take(len(expected) + 1)
+    reader.join(10)
+    assert bytes(received) == expected
+    events = list(SSEDecoder().iter_bytes(iter([bytes(received)])))
+    assert [e.data for e in events][-1] == "[DONE]"
+    assert [json.loads(e.data)["choices"][0]["index"] for e in events[:-1]] == [0] * 5
+    charged = {
+        "prompt": metered.get("prompt", 0) + 7,
+        "completion": metered.get("completion", 0) + 3,
+    }
+    poll(lambda: token_metrics(live.server) == charged, what="the request's tokens in /metrics")

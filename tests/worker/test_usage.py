@@ -35,6 +35,21 @@ def test_usage_is_found_in_every_api_shape_however_the_stream_is_cut() -> None:
     assert UsageScanner().counts() is None
 
 
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+def test_usage_is_found_whatever_the_streams_line_endings(eol: bytes) -> None:
+    stream = (
+        b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+        b"data: [DONE]\n\n"
+    ).replace(b"\n", eol)
+    for size in (1, 2, 7, len(stream)):
+        scanner = UsageScanner()
+        for start in range(0, len(stream), size):
+            scanner.feed(stream[start : start + size])
+        scanner.finish()
+        assert scanner.counts() == TokenCounts(3, 2, 5), size
+
+
 def test_counts_are_formatted_for_the_per_request_debug_line() -> None:
     assert format_counts(TokenCounts(9, 4, 13)) == "prompt=9 completion=4 total=13"
     assert format_counts(None) == "none reported"
@@ -82,3 +97,25 @@ def test_a_cached_count_of_the_wrong_type_is_ignored() -> None:
         "application/json",
     )
     assert scanner.counts() == TokenCounts(5, None, None)
+
+
+@pytest.mark.parametrize("absurd", [10**12 + 1, 2**64 - 1, 2**70])
+def test_a_count_past_any_real_figure_is_dropped_and_the_rest_marked_an_estimate(
+    absurd: int,
+) -> None:
+    """(A backend's unsigned underflow: the relay would drop it too.)"""
+    scanner = UsageScanner()
+    scanner.feed_document(
+        b'{"usage": {"prompt_tokens": %d, "completion_tokens": 2,'
+        b' "prompt_tokens_details": {"cached_tokens": %d}}}' % (absurd, absurd),
+        "application/json",
+    )
+    counts = scanner.counts()
+    assert counts == TokenCounts(completion_tokens=2, estimated=True)
+    assert format_counts(counts) == "prompt=None completion=2 total=None (estimated)"
+    streamed = UsageScanner()
+    streamed.estimate(40)
+    streamed.count(b'data: {"choices":[],"usage":{"total_tokens":%d}}\n\n' % absurd)
+    streamed.finish()
+    # Nothing usable reported: the stream is counted instead.
+    assert streamed.counts() == TokenCounts(10, 0, 10, estimated=True)

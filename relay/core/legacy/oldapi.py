@@ -9,8 +9,10 @@ gives the node the task the old broker would have).
 
 Response: ``text/event-stream`` whose body is newline-delimited JSON: ``{"o":"…"}``
 per piece of text, then ``{"done":true}``, or ``{"err":"…"}`` (possibly after some
-text) with one of the old broker's five messages. :class:`ChatStreamReader` pulls the
-text out of the chat-completion events the worker streams back.
+text) saying what happened: the old broker's five messages where one of them does,
+and as short a message in their style where none does (:func:`old_error`).
+:class:`ChatStreamReader` pulls the text out of the chat-completion events the worker
+streams back.
 """
 
 from __future__ import annotations
@@ -23,15 +25,27 @@ import msgspec
 from relay.wire.errors import (
     BadRequest,
     ClientError,
+    ConcurrencyLimited,
+    GatewayTimeout,
     ModelNotAllowed,
     ModelNotFound,
+    PayloadTooLarge,
+    ProviderDisabled,
+    ProviderGone,
     QueueFull,
     QueueTimeout,
+    QuotaExceeded,
     RateLimited,
     RelayError,
+    RequeueExhausted,
     ServiceUnavailable,
+    ShuttingDown,
+    SlowClient,
+    StreamTooLarge,
     Unauthorized,
+    WorkerFailed,
     WorkerLost,
+    WorkerUnavailable,
 )
 
 PATH = "/api/chat"
@@ -43,6 +57,35 @@ UNKNOWN_MODEL = "unknown model"
 INVALID_REQUEST = "invalid request"
 NO_NODE = "timeout waiting for node"
 NO_FINISH = "timeout waiting for finish"
+#: A stream whose backend sent an error event instead of the rest of the answer.
+BACKEND_FAILED = "backend error"
+
+#: What an old client reads for each relay error: the first class the error is an
+#: instance of (so a subclass comes before its base). The old broker's five messages
+#: where one of them says what happened; else a message in their style.
+MESSAGES: tuple[tuple[type[RelayError], str], ...] = (
+    (Unauthorized, UNAUTHORIZED),  # no key, not a key, an expired key
+    (ModelNotAllowed, UNAUTHORIZED),
+    (ModelNotFound, UNKNOWN_MODEL),
+    (PayloadTooLarge, "request too large"),
+    (QueueFull, "queue full"),
+    (ConcurrencyLimited, "too many requests at once for this key"),
+    (QuotaExceeded, "token budget of this key spent"),
+    (RateLimited, "rate limit of this key exceeded"),
+    (ClientError, INVALID_REQUEST),
+    (QueueTimeout, NO_NODE),
+    (GatewayTimeout, NO_FINISH),
+    (ProviderDisabled, "provider disabled"),
+    (ProviderGone, "no node for this model"),
+    (ShuttingDown, "server shutting down"),
+    (RequeueExhausted, "nodes lost, gave up"),
+    (WorkerLost, "node lost"),
+    (WorkerUnavailable, "node lost"),
+    (ServiceUnavailable, "service unavailable"),
+    (WorkerFailed, "node failed"),
+    (StreamTooLarge, "answer too large"),
+    (SlowClient, "client too slow"),
+)
 
 CONTENT_TYPE = b"text/event-stream"
 
@@ -132,25 +175,11 @@ def _label(value: object) -> str | None:
 
 
 def old_error(err: RelayError) -> str:
-    """The old broker's message for a relay error.
-
-    Refused before a worker was involved → what the client did wrong (a key that is
-    missing, invalid, expired or not allowed the model → unauthorized); never placed
-    on a worker (queue full or timed out, a key over its limits, provider off,
-    requeues spent, shutting down) → waiting for a node; anything after that →
-    waiting for the finish.
-    """
-    if isinstance(err, Unauthorized | ModelNotAllowed):
-        return UNAUTHORIZED
-    if isinstance(err, ModelNotFound):
-        return UNKNOWN_MODEL
-    if isinstance(err, QueueFull | QueueTimeout | RateLimited):
-        return NO_NODE
-    if isinstance(err, ClientError):
-        return INVALID_REQUEST
-    if isinstance(err, ServiceUnavailable) and not isinstance(err, WorkerLost):
-        return NO_NODE
-    return NO_FINISH
+    """What happened, as an old client reads it (:data:`MESSAGES`)."""
+    for kind, message in MESSAGES:
+        if isinstance(err, kind):
+            return message
+    return "relay error"
 
 
 def refusal(err: RelayError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -168,8 +197,9 @@ def refusal(err: RelayError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
 
 
 def status_error(status: int) -> str:
-    """The old broker's message for a backend that answered ``status`` instead of streaming."""
-    return INVALID_REQUEST if 400 <= status < 500 else NO_FINISH
+    """The old message for a backend that answered ``status`` instead of streaming: it
+    refused the request (4xx), or failed (with its status, which says how)."""
+    return INVALID_REQUEST if 400 <= status < 500 else f"{BACKEND_FAILED} {status}"
 
 
 def text_line(text: str) -> bytes:

@@ -27,10 +27,23 @@ from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
 from relay.server.cluster.control import ClusterUnreachable
 from relay.server.cluster.limits import RedisLimitStore
+from workers_app.joining import (
+    MAX_TTL_SECS,
+    MAX_USES,
+    MIN_TTL_SECS,
+    describe,
+    joined_workers,
+    mint_token,
+    revoke_token,
+    revoke_worker,
+)
+from workers_app.models import JoinedWorker, JoinToken, Provider
 
 #: The longest drain deadline an operator may set: a day. A draining worker takes no new
 #: work, so an endless (or absurd) deadline would take it out of service for good.
 MAX_DRAIN_SECS = 86400.0
+#: The most rows a list of join tokens or joined workers returns.
+MAX_LISTED = 1000
 DRAIN_TIMEOUT_RULE = (
     f"a finite number of seconds, greater than 0 and at most {MAX_DRAIN_SECS:g} (a day)"
 )
@@ -246,4 +259,97 @@ async def delete_key(request: HttpRequest, key_id: int) -> Any:
         raise HttpError(404, f"no API key with id {key_id}")
     if not await sync_to_async(revoke_key)(key):
         raise HttpError(404, f"API key {key_id} is already revoked")
+    return Status(204, None)
+
+
+# -- joining (SPEC §22) ---------------------------------------------------------------------
+
+
+class JoinTokenIn(Schema):
+    provider: str = Field(min_length=1, max_length=64)
+    #: Seconds it stays usable; null: JOIN_TOKEN_TTL_SECS.
+    ttl_secs: float | None = Field(
+        default=None, ge=MIN_TTL_SECS, le=MAX_TTL_SECS, allow_inf_nan=False
+    )
+    uses: int = Field(default=1, ge=1, le=MAX_USES, strict=True)
+
+
+class JoinTokenOut(Schema):
+    id: int
+    prefix: str
+    provider: str
+    uses: int
+    used: int
+    state: str
+    created_at: datetime
+    expires_at: datetime
+    created_by: str
+    revoked_at: datetime | None
+
+    @staticmethod
+    def resolve_provider(obj: JoinToken) -> str:
+        return obj.provider.name
+
+    @staticmethod
+    def resolve_state(obj: JoinToken) -> str:
+        return obj.state()
+
+
+class NewJoinTokenOut(JoinTokenOut):
+    token: str
+
+
+class JoinedWorkerOut(Schema):
+    id: int
+    name: str
+    provider: str
+    prefix: str
+    created_at: datetime
+    last_seen_at: datetime | None
+    last_address: str
+    connected: bool
+    revoked_at: datetime | None
+
+
+@api.post("/join-tokens", response={201: NewJoinTokenOut})
+async def new_join_token(request: HttpRequest, payload: JoinTokenIn) -> Any:
+    provider = await Provider.objects.filter(name=payload.provider).afirst()
+    if provider is None:
+        raise HttpError(404, f"no provider '{payload.provider}'")
+    try:
+        made = await sync_to_async(mint_token)(
+            provider, ttl_secs=payload.ttl_secs, uses=payload.uses, created_by="api"
+        )
+    except ValueError as exc:
+        raise HttpError(400, str(exc)) from None
+    made.token.token = made.secret  # type: ignore[attr-defined]  # shown this once
+    return Status(201, made.token)
+
+
+@api.get("/join-tokens", response=list[JoinTokenOut])
+async def list_join_tokens(request: HttpRequest) -> list[JoinToken]:
+    return [t async for t in JoinToken.objects.select_related("provider")[:MAX_LISTED]]
+
+
+@api.delete("/join-tokens/{token_id}", response={204: None})
+async def delete_join_token(request: HttpRequest, token_id: int) -> Any:
+    token = await JoinToken.objects.filter(id=token_id).afirst()
+    if token is None:
+        raise HttpError(404, f"no join token with id {token_id}")
+    await sync_to_async(revoke_token)(token)
+    return Status(204, None)
+
+
+@api.get("/joined-workers", response=list[JoinedWorkerOut])
+async def list_joined_workers(request: HttpRequest) -> list[dict[str, object]]:
+    return await sync_to_async(lambda: [describe(w) for w in joined_workers()[:MAX_LISTED]])()
+
+
+@api.delete("/joined-workers/{worker_id}", response={204: None})
+async def revoke_joined_worker(request: HttpRequest, worker_id: int) -> Any:
+    worker = await JoinedWorker.objects.filter(id=worker_id).afirst()
+    if worker is None:
+        raise HttpError(404, f"no joined worker with id {worker_id}")
+    if not await sync_to_async(revoke_worker)(worker):
+        raise HttpError(404, f"joined worker {worker_id} is already revoked")
     return Status(204, None)

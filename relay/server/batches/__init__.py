@@ -2,11 +2,12 @@
 Batches, run on idle capacity.
 
 ``api`` (the HTTP routes, served by the fast path), ``upload`` (reading a multipart
-upload), ``lines`` (validating a batch's input), ``shapes`` (the objects and result
-lines in each API's format), ``store`` (the routes' database work), ``claims`` (the
-engine's database work: claiming lines, writing results, ending batches), ``engine``
-(running the lines as ``flex`` requests of their keys) and ``db`` (the threads the
-database work runs in).
+upload), ``files`` (uploads in the database, bounded per owner), ``lines`` (checking
+a batch's input), ``checker`` (the process those checks run in), ``shapes`` (the
+objects and result lines in each API's format), ``store`` (the routes' database
+work), ``claims`` (the engine's database work: claiming lines, writing results,
+ending batches), ``engine`` (running the lines as ``flex`` requests of their keys)
+and ``db`` (the threads the database work runs in).
 
 Files, batches and line states live in the database (the ``batches`` app): a server
 killed mid-batch resumes where it was, and several processes share the work through

@@ -23,7 +23,9 @@ everyone's. Errors come in the envelope of the API asked (Anthropic's on
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -32,10 +34,10 @@ from django.conf import settings
 
 from batches.models import ANTHROPIC, OPENAI
 from relay.server import runtime
-from relay.server.batches import store, upload
+from relay.server.batches import checker, files, lines, store, upload
 from relay.server.batches.db import in_thread
-from relay.server.batches.lines import anthropic_lines
 from relay.server.batches.store import Owner
+from relay.server.batches.upload import write_body
 from relay.server.http.request import ClientGone, header, is_json, read_body, route_table
 from relay.server.http.send import (
     SECURITY_HEADERS,
@@ -51,6 +53,7 @@ from relay.wire.errors import (
     Flavor,
     MethodNotAllowed,
     NotFound,
+    PayloadTooLarge,
     RelayError,
     UnsupportedMediaType,
 )
@@ -58,6 +61,8 @@ from relay.wire.errors import (
 PREFIXES = ("/v1/files", "/v1/batches", "/v1/messages/batches")
 #: The body of ``POST /v1/batches`` (a few ids and the metadata) is small.
 MAX_CREATE_BYTES = 64 * 1024
+#: What a route that reads no body (GET, DELETE, cancel) lets a client send anyway.
+NO_BODY_BYTES = 64 * 1024
 MAX_METADATA_KEYS = 16
 _decode = msgspec.json.Decoder().decode
 
@@ -84,18 +89,42 @@ def who(scope: Scope, flavor: Flavor) -> Owner:
     return Owner(key_id)
 
 
-def refused_before_body(
-    method: str, path: str, headers: list[tuple[bytes, bytes]]
-) -> RelayError | None:
-    """Under daphne, before an upload's body is read: the error it gets anyway."""
-    if method != "POST" or path != "/v1/files":
-        return None
-    try:
-        upload.check_head(headers, settings.BATCH_FILE_MAX_BYTES)
-        who({"headers": headers}, "openai")
-    except RelayError as err:
-        return err
-    return None
+def body_limit(method: str, path: str) -> int:
+    """The most body bytes a batch route takes (each its own: an upload its file and
+    the framing, a batch's creation a few ids, a Message Batch BATCH_FILE_MAX_BYTES, a
+    route that reads no body :data:`NO_BODY_BYTES`); raises the 404 or 405 of a
+    request no route takes."""
+    parts = path.rstrip("/").split("/")[2:]
+    if method == "POST" and parts == ["files"]:
+        return upload.body_limit(settings.BATCH_FILE_MAX_BYTES)
+    if method == "POST" and parts == ["batches"]:
+        return MAX_CREATE_BYTES
+    if method == "POST" and parts == ["messages", "batches"]:
+        return settings.BATCH_FILE_MAX_BYTES
+    for pattern, allow in ROUTES:
+        if len(pattern) == len(parts) and all(
+            p in ("*", q) for p, q in zip(pattern, parts, strict=True)
+        ):
+            if method in allow.split(", ") or method == "OPTIONS":
+                return NO_BODY_BYTES
+            break
+    raise _no_route(method, path.rstrip("/"), parts)
+
+
+def check_head(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> int:
+    """Everything a batch route refuses a request for before its body besides the key:
+    the method (405) or path (404), the content type (415) and a declared length over
+    the route's limit (413). Returns that limit. Called by the application, and under
+    daphne by the server as soon as the headers are in."""
+    limit = body_limit(method, path)
+    if method == "POST" and path.rstrip("/") == "/v1/files":
+        upload.check_head(headers, settings.BATCH_FILE_MAX_BYTES)  # multipart, its length
+    elif limit != NO_BODY_BYTES and not is_json(header({"headers": headers}, b"content-type")):
+        raise UnsupportedMediaType()
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise PayloadTooLarge(f"Request body is larger than {limit} bytes")
+    return limit
 
 
 async def handle(scope: Scope, receive: Receive, send: Send) -> None:
@@ -110,6 +139,7 @@ async def handle(scope: Scope, receive: Receive, send: Send) -> None:
     await rt.ready()
     try:
         owner = who(scope, flavor)
+        check_head(method, path, scope["headers"])
         await _route(scope, receive, send, owner, method, path.rstrip("/"), cors or [])
     except ClientGone:
         return
@@ -135,12 +165,12 @@ async def _route(
         case ("GET", ["files"]):
             limit = _limit(query, 10_000, default=10_000)
             document = await in_thread(
-                store.list_files, owner, query.get("purpose"), limit, query.get("after")
+                files.list_files, owner, query.get("purpose"), limit, query.get("after")
             )
         case ("GET", ["files", file_id]):
-            document = await in_thread(store.file_info, owner, file_id)
+            document = await in_thread(files.file_info, owner, file_id)
         case ("DELETE", ["files", file_id]):
-            document = await in_thread(store.delete_file, owner, file_id)
+            document = await in_thread(files.delete_file, owner, file_id)
         case ("GET", ["files", file_id, "content"]):
             await _file_content(send, owner, file_id, cors)
             return
@@ -240,16 +270,23 @@ async def _json_body(scope: Scope, receive: Receive, limit: int) -> Any:
 async def _upload(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any]:
     file_limit = settings.BATCH_FILE_MAX_BYTES
     content_type = upload.check_head(scope["headers"], file_limit)
+    limits = file_limits()
+    # Refused before the body when the owner keeps all it may already (under daphne
+    # the server has read the body by now; the answer is the same).
+    await in_thread(files.check_room, owner, limits, upload.least_file_bytes(scope["headers"]))
     body, size = await upload.spool(receive, file_limit)
+
+    def receive_file(open_file: Callable[[str], upload.Sink]) -> str:
+        return upload.parse(content_type, body, size, file_limit, open_file)
+
     try:
-        received = await in_thread(upload.parse, content_type, body, size, file_limit)
+        return await in_thread(files.create_file, owner, limits, receive_file)
     finally:
         body.close()
-    if received.purpose != store.INPUT_PURPOSE:
-        raise BadRequest("purpose: only 'batch' files are kept here")
-    return await in_thread(
-        store.create_file, owner, received.filename, received.purpose, received.content
-    )
+
+
+def file_limits() -> files.FileLimits:
+    return files.FileLimits(settings.BATCH_MAX_FILES_PER_KEY, settings.BATCH_MAX_FILE_BYTES_PER_KEY)
 
 
 async def _create_openai(scope: Scope, receive: Receive, owner: Owner) -> dict[str, Any]:
@@ -295,29 +332,38 @@ def _check_metadata(metadata: Any) -> None:
 async def _create_anthropic(
     scope: Scope, receive: Receive, owner: Owner, base: str
 ) -> dict[str, Any]:
+    """A Message Batch: its body goes to a scratch file as it arrives, is checked in
+    the checking process, and its requests are stored from what that wrote."""
     rt = runtime.current()
     limit = settings.BATCH_FILE_MAX_BYTES
     if not is_json(header(scope, b"content-type")):
         raise UnsupportedMediaType()
-    raw = await read_body(receive, limit)
-    known = frozenset(rt.relay.routable_models())
-    max_model_len = rt.config.max_model_name_len
+    rules = lines.Limits(
+        max_lines=rt.batches.config.max_lines,
+        max_request_bytes=rt.config.max_request_bytes,
+        max_model_len=rt.config.max_model_name_len,
+        known=frozenset(rt.relay.routable_models()),
+    )
     config = rt.batches.config
 
-    def create() -> dict[str, Any]:
-        try:
-            document = _decode(raw)
-        except (msgspec.DecodeError, RecursionError):
-            raise BadRequest("Request body is not valid JSON") from None
-        specs = anthropic_lines(
-            document,
-            max_lines=config.max_lines,
-            max_model_len=max_model_len,
-            known=known.__contains__,
+    def create(source: str, out: str) -> dict[str, Any]:
+        checked = rt.batches.checker.run(lines.check_anthropic, source, out, rules)
+        if checked.refusal is not None:
+            kind, message = checked.refusal
+            raise PayloadTooLarge(message) if kind == "too_large" else BadRequest(message)
+        specs = lines.records(out)
+        return store.create_anthropic_batch(
+            owner, checked.count, specs, config.window, config.max_queued, base
         )
-        return store.create_anthropic_batch(owner, specs, config.window, config.max_queued, base)
 
-    created = await in_thread(create)
+    source, out = checker.scratch_paths()
+    try:
+        # A local scratch file: each write copies one received piece to the page cache.
+        with open(source, "wb") as body:  # noqa: ASYNC230
+            await write_body(receive, body, limit, f"Request body is larger than {limit} bytes")
+        created = await in_thread(create, source, out)
+    finally:
+        await asyncio.to_thread(checker.remove, source, out)
     rt.batches.poke()
     return created
 
@@ -325,16 +371,26 @@ async def _create_anthropic(
 async def _file_content(
     send: Send, owner: Owner, file_id: str, cors: list[tuple[bytes, bytes]]
 ) -> None:
-    source = await in_thread(store.file_source, owner, file_id)
-    if source.batch_id is None:
-        content = source.content or b""
-        headers = [
-            (b"content-type", b"application/octet-stream"),
-            (b"content-length", str(len(content)).encode()),
-        ]
-        await send_simple(send, 200, headers + cors, content)
+    source = await in_thread(files.file_source, owner, file_id)
+    if source.batch_id is not None:
+        await _stream_lines(send, source.batch_id, source.kind, cors)
         return
-    await _stream_lines(send, source.batch_id, source.kind, cors)
+    # An upload, chunk by chunk as it is read from the store (never held whole).
+    headers = [
+        (b"content-type", b"application/octet-stream"),
+        (b"content-length", str(source.size).encode()),
+    ]
+    headers += SECURITY_HEADERS + cors
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    after = -1
+    while True:
+        chunks = await in_thread(files.file_chunks, source.file_pk, after)
+        if not chunks:
+            break
+        after = chunks[-1][0]
+        for _, data in chunks:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _stream_lines(

@@ -78,6 +78,7 @@ class Result:
     request_id: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 # ------------------------------------------------------------------------- claims
@@ -182,6 +183,7 @@ def record(results: list[Result]) -> int:
                 request_id=r.request_id,
                 prompt_tokens=r.prompt_tokens,
                 completion_tokens=r.completion_tokens,
+                cached_tokens=r.cached_tokens,
                 finished_at=now,
             )
             if written:
@@ -190,6 +192,7 @@ def record(results: list[Result]) -> int:
                 tally[TALLY[r.outcome]] += 1
                 tally["input_tokens"] += r.prompt_tokens or 0
                 tally["output_tokens"] += r.completion_tokens or 0
+                tally["cached_tokens"] += r.cached_tokens or 0
         for batch_id, tally in tallies.items():
             Batch.objects.filter(pk=batch_id).update(
                 **{field: F(field) + count for field, count in tally.items() if count}

@@ -29,6 +29,7 @@ from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
 from relay.server.batches import claims, lifecycle
 from relay.server.batches.capacity import claimable_models, free_slots, startable
+from relay.server.batches.checker import CHECKER, clean_scratch
 from relay.server.batches.claims import Claimed, Result
 from relay.server.batches.config import BatchSettings, flavor
 from relay.server.batches.db import DatabaseThread
@@ -58,6 +59,8 @@ class BatchEngine:
         self._fixed = config is not None
         self.loop = rt.loop
         self.db = DatabaseThread()
+        #: Where inputs are checked (the engine's validations, Message Batches' creations).
+        self.checker = CHECKER
         #: Claimed lines waiting for a free slot, and lines running, by line id.
         self.ready: list[Claimed] = []
         self.running: dict[int, Running] = {}
@@ -124,6 +127,7 @@ class BatchEngine:
         """The engine's task (owned by the runtime): restarted with backoff when a
         step fails; on cancellation it hands back every line it holds."""
         try:
+            await self.db.run(clean_scratch)  # what a killed process left
             await self.rt.ready()  # providers and keys read: lines can be judged
             while True:
                 try:
@@ -167,10 +171,13 @@ class BatchEngine:
             max_model_len=self.relay.config.max_model_name_len,
             max_queued=config.max_queued,
             lease_secs=max(config.claim, 1.0),
+            max_request_bytes=self.relay.config.max_request_bytes,
         )
         known = frozenset(self.relay.routable_models())
         for _ in range(8):
-            name = await self.db.run(lifecycle.validate_next, self._token(), known, limits)
+            name = await self.db.run(
+                lifecycle.validate_next, self._token(), known, limits, self.checker
+            )
             if name is None:
                 break
             logger.info("batch %s validated", name)

@@ -11,12 +11,14 @@ waits and is tried again without counting.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 from batches.models import ANTHROPIC, CANCELED, ERRORED, SUCCEEDED
 from relay.core.keycache import KeyCache
-from relay.core.limits import KeyLimits, Ticket
+from relay.core.limits import KeyLimits, Ticket, reservation_of
 from relay.core.relay import Relay
 from relay.core.state import CANCELLED, Completion, RelayRequest
 from relay.server.batches.claims import Claimed, Result
@@ -61,7 +63,9 @@ class Host(Protocol):
 
     def key_limits(self, key_id: int) -> KeyLimits: ...
 
-    async def admit(self, key_id: int, model: str) -> Ticket: ...
+    async def admit(
+        self, key_id: int, model: str, cost: Callable[[], int] | None = None
+    ) -> Ticket: ...
 
     async def ready(self) -> None: ...
 
@@ -103,7 +107,7 @@ async def execute(
         if rt.keys.get(line.key_id) is None:
             return errored(line, Unauthorized("The batch's API key was revoked"))
         try:
-            ticket = await rt.admit(line.key_id, line.model)
+            ticket = await rt.admit(line.key_id, line.model, partial(reservation_of, line.body))
         except RelayError as err:
             return judge_error(line, err, limit, retry_delay)
     if run.ended:  # its batch ended while it was being admitted
@@ -161,6 +165,7 @@ def judge_answer(
         request_id=request.id,
         prompt_tokens=counts.prompt_tokens if counts else None,
         completion_tokens=counts.completion_tokens if counts else None,
+        cached_tokens=counts.cached_tokens if counts else None,
     )
 
 

@@ -37,9 +37,10 @@ from batches.models import (
     claimable,
     new_id,
 )
-from relay.server.batches import store
+from relay.server.batches import files, lines, store
+from relay.server.batches.checker import Checker, scratch
 from relay.server.batches.claims import TALLY
-from relay.server.batches.lines import LineSpec, openai_lines, problem
+from relay.server.batches.lines import Checked, problem
 
 
 def ended_as(state: tuple[str, float] | None, now: float) -> str:
@@ -61,12 +62,16 @@ class Limits:
     max_model_len: int
     max_queued: int
     lease_secs: float
+    #: The most bytes of one line (MAX_REQUEST_BYTES, as a request sent directly).
+    max_request_bytes: int
 
 
-def validate_next(token: str, known: frozenset[str], limits: Limits) -> str | None:
-    """Check the lines of one batch waiting for validation and start it or fail it;
-    returns its id (None when none waits). The batch is leased while its file is
-    read, so one process validates it."""
+def validate_next(
+    token: str, known: frozenset[str], limits: Limits, checker: Checker
+) -> str | None:
+    """Check the lines of one batch waiting for validation (in ``checker``'s process)
+    and start it or fail it; returns its id (None when none waits). The batch is
+    leased while its file is read, so one process validates it."""
     now = timezone.now()
     with transaction.atomic():
         batch = (
@@ -80,24 +85,46 @@ def validate_next(token: str, known: frozenset[str], limits: Limits) -> str | No
             return None
         lease_until = now + dt.timedelta(seconds=limits.lease_secs)
         Batch.objects.filter(pk=batch.pk).update(lease_token=token, lease_until=lease_until)
-    content = (
+    with scratch() as (source, out):
+        checked = _check(batch, source, out, known, limits, checker)
+        _finish_validation(batch, token, checked, out, limits)
+    return batch.public_id
+
+
+def _check(
+    batch: Batch,
+    source: str,
+    out: str,
+    known: frozenset[str],
+    limits: Limits,
+    checker: Checker,
+) -> Checked:
+    """The batch's input file copied to ``source``, checked in the checking process."""
+    upload = (
         StoredFile.objects.filter(public_id=batch.input_file_id, batch__isnull=True)
-        .values_list("content", flat=True)
+        .values_list("pk", flat=True)
         .first()
     )
-    specs: list[LineSpec] = []
-    if content is None:
-        errors = [problem("file_not_found", "The input file was deleted")]
-    else:
-        specs, errors = openai_lines(
-            bytes(content),
-            batch.endpoint,
-            max_lines=limits.max_lines,
-            max_model_len=limits.max_model_len,
-            known=known.__contains__,
-        )
+    if upload is None:
+        return Checked(0, [problem("file_not_found", "The input file was deleted")])
+    with open(source, "wb") as copy:
+        after = -1
+        while chunks := files.file_chunks(upload, after):
+            after = chunks[-1][0]
+            for _, data in chunks:
+                copy.write(data)
+    rules = lines.Limits(limits.max_lines, limits.max_request_bytes, limits.max_model_len, known)
+    return checker.run(lines.check_openai, source, out, batch.endpoint, rules)
+
+
+def _finish_validation(
+    batch: Batch, token: str, checked: Checked, out: str, limits: Limits
+) -> None:
+    """Start the batch with the lines written to ``out``, or fail it with the problems
+    found (or when its key would have too many lines waiting)."""
+    errors = checked.errors
     with transaction.atomic():
-        if not errors and store.queued_lines(batch.key_id, lock=True) + len(specs) > (
+        if not errors and store.queued_lines(batch.key_id, lock=True) + checked.count > (
             limits.max_queued
         ):
             errors = [
@@ -113,14 +140,15 @@ def validate_next(token: str, known: frozenset[str], limits: Limits) -> str | No
             .first()
         )
         if current is None:
-            return batch.public_id  # cancelled meanwhile, or another process took over
+            return  # cancelled meanwhile, or another process took over
         now = timezone.now()
         current.lease_token, current.lease_until = "", None
         if errors:
             current.status, current.failed_at, current.errors = FAILED, now, errors
         else:
-            current.status, current.in_progress_at, current.total = IN_PROGRESS, now, len(specs)
-            store.insert_lines(current, specs, now)
+            current.status, current.in_progress_at = IN_PROGRESS, now
+            current.total = checked.count
+            store.insert_lines(current, lines.records(out), now)
         current.save(
             update_fields=[
                 "lease_token",
@@ -132,7 +160,6 @@ def validate_next(token: str, known: frozenset[str], limits: Limits) -> str | No
                 "total",
             ]
         )
-    return batch.public_id
 
 
 def sweep() -> list[str]:

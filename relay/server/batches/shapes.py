@@ -103,7 +103,7 @@ def openai_batch(batch: Batch) -> dict[str, Any]:
         },
         "usage": {
             "input_tokens": batch.input_tokens,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": batch.cached_tokens},
             "output_tokens": batch.output_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": batch.input_tokens + batch.output_tokens,

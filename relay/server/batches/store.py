@@ -9,11 +9,12 @@ belongs to no key. What a caller may not see answers 404, like what does not exi
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Model, QuerySet
 from django.utils import timezone
 
@@ -32,11 +33,20 @@ from batches.models import (
 )
 from relay.server.batches import shapes
 from relay.server.batches.lines import LineSpec
-from relay.wire.errors import BadRequest, BatchLinesExceeded, NotFound
+from relay.wire.errors import (
+    BadRequest,
+    BatchLinesExceeded,
+    NotFound,
+)
 
 M = TypeVar("M", bound=Model)
 #: Lines read per query while a file is rendered.
 PAGE_LINES = 500
+#: Lines written per query (and the most bytes of their bodies).
+INSERT_LINES = 200
+INSERT_BYTES = 4 * 1024 * 1024
+#: The advisory lock (PostgreSQL) that serialises the limit checks of the "no key" owner.
+NO_KEY_LOCK = 0x6D72_6669_6C65
 INPUT_PURPOSE = "batch"
 OUTPUT_PURPOSE = "batch_output"
 
@@ -56,7 +66,7 @@ class Owner:
         return rows.filter(key_id=self.key_id)
 
 
-def _page(rows: QuerySet[M], limit: int, after: str | None, before: str | None) -> list[M]:
+def page(rows: QuerySet[M], limit: int, after: str | None, before: str | None) -> list[M]:
     """Newest first; ``after`` (older than that id) or ``before`` (newer than it)."""
     if after:
         cursor = rows.filter(public_id=after).values_list("pk", flat=True).first()
@@ -70,6 +80,18 @@ def _page(rows: QuerySet[M], limit: int, after: str | None, before: str | None) 
     return list(rows.order_by("-pk")[: limit + 1])
 
 
+def lock_owner(key_id: int | None) -> None:
+    """Serialise the checks of one owner's limits until the transaction ends: its key's
+    row, or (no key, PostgreSQL) an advisory lock; SQLite serialises writers anyway."""
+    if key_id is not None:
+        from keys.models import ApiKey
+
+        list(ApiKey.objects.select_for_update().filter(pk=key_id).values_list("pk"))
+    elif connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [NO_KEY_LOCK])
+
+
 def listing(items: list[dict[str, Any]], has_more: bool, *, openai: bool) -> dict[str, Any]:
     document: dict[str, Any] = {
         "data": items,
@@ -78,73 +100,6 @@ def listing(items: list[dict[str, Any]], has_more: bool, *, openai: bool) -> dic
         "last_id": items[-1]["id"] if items else None,
     }
     return {"object": "list", **document} if openai else document
-
-
-# ------------------------------------------------------------------------- files
-
-
-def create_file(owner: Owner, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
-    row = StoredFile.objects.create(
-        public_id=new_id("file-"),
-        key_id=owner.key_id,
-        purpose=purpose,
-        filename=filename[:255] or "upload.jsonl",
-        bytes=len(content),
-        content=content,
-    )
-    return shapes.file_object(row)
-
-
-def _files(owner: Owner) -> QuerySet[StoredFile]:
-    return owner.mine(StoredFile.objects.defer("content"))
-
-
-def list_files(owner: Owner, purpose: str | None, limit: int, after: str | None) -> dict[str, Any]:
-    rows = _files(owner)
-    if purpose:
-        rows = rows.filter(purpose=purpose)
-    page = _page(rows, limit, after, None)
-    return listing([shapes.file_object(f) for f in page[:limit]], len(page) > limit, openai=True)
-
-
-def get_file(owner: Owner, public_id: str) -> StoredFile:
-    row = _files(owner).filter(public_id=public_id).first()
-    if row is None:
-        raise NotFound(f"No such file: {public_id[:100]}")
-    return row
-
-
-def file_info(owner: Owner, public_id: str) -> dict[str, Any]:
-    return shapes.file_object(get_file(owner, public_id))
-
-
-def delete_file(owner: Owner, public_id: str) -> dict[str, Any]:
-    row = get_file(owner, public_id)
-    with transaction.atomic():
-        if row.batch_id is not None:
-            # An output file: the batch no longer offers it.
-            field = "output_file_id" if row.kind == "output" else "error_file_id"
-            Batch.objects.filter(pk=row.batch_id).update(**{field: ""})
-        row.delete()
-    return {"id": public_id, "object": "file", "deleted": True}
-
-
-@dataclass(frozen=True, slots=True)
-class FileSource:
-    """Where a file's bytes come from: stored (an upload) or a batch's lines."""
-
-    content: bytes | None
-    batch_id: int | None
-    kind: str
-    api: str
-
-
-def file_source(owner: Owner, public_id: str) -> FileSource:
-    row = get_file(owner, public_id)
-    if row.batch_id is None:
-        content = StoredFile.objects.filter(pk=row.pk).values_list("content", flat=True).first()
-        return FileSource(bytes(content or b""), None, "", OPENAI)
-    return FileSource(None, row.batch_id, row.kind, OPENAI)
 
 
 def _results(batch_id: int, kind: str) -> QuerySet[BatchLine]:
@@ -188,7 +143,9 @@ def create_openai_batch(
     window_secs: float,
 ) -> dict[str, Any]:
     """A batch waiting for validation; the engine checks its lines next."""
-    source = get_file(owner, input_file_id)
+    source = owner.mine(StoredFile.objects.filter(public_id=input_file_id)).first()
+    if source is None:
+        raise NotFound(f"No such file: {input_file_id[:100]}")
     if source.purpose != INPUT_PURPOSE or source.batch_id is not None:
         raise BadRequest(f"File {input_file_id} was not uploaded with purpose 'batch'")
     now = timezone.now()
@@ -207,12 +164,18 @@ def create_openai_batch(
 
 
 def create_anthropic_batch(
-    owner: Owner, specs: list[LineSpec], window_secs: float, max_queued: int, base_url: str
+    owner: Owner,
+    count: int,
+    specs: Iterable[LineSpec],
+    window_secs: float,
+    max_queued: int,
+    base_url: str,
 ) -> dict[str, Any]:
-    """A Message Batch, its requests stored and running at once (validated already)."""
+    """A Message Batch of ``count`` requests, stored and running at once (checked
+    already, :mod:`~relay.server.batches.lines`)."""
     now = timezone.now()
     with transaction.atomic():
-        if queued_lines(owner.key_id, lock=True) + len(specs) > max_queued:
+        if queued_lines(owner.key_id, lock=True) + count > max_queued:
             raise BatchLinesExceeded(max_queued)
         batch = Batch.objects.create(
             public_id=new_id("msgbatch_"),
@@ -223,7 +186,7 @@ def create_anthropic_batch(
             expires_at=now + dt.timedelta(seconds=window_secs),
             status=IN_PROGRESS,
             in_progress_at=now,
-            total=len(specs),
+            total=count,
         )
         insert_lines(batch, specs, now)
         batch.refresh_from_db()
@@ -233,11 +196,9 @@ def create_anthropic_batch(
 def queued_lines(key_id: int | None, *, lock: bool = False) -> int:
     """Lines of the key's batches that have not ended yet (the per-key cap counts them).
 
-    ``lock`` serialises creations of one key (its row, until the transaction ends)."""
-    if lock and key_id is not None:
-        from keys.models import ApiKey
-
-        list(ApiKey.objects.select_for_update().filter(pk=key_id).values_list("pk"))
+    ``lock`` serialises creations of one owner (until the transaction ends)."""
+    if lock:
+        lock_owner(key_id)
     rows = Batch.objects.filter(key_id=key_id, status=IN_PROGRESS)
     waiting = 0
     for total, succeeded, errored, canceled, expired in rows.values_list(
@@ -247,10 +208,11 @@ def queued_lines(key_id: int | None, *, lock: bool = False) -> int:
     return waiting
 
 
-def insert_lines(batch: Batch, specs: list[LineSpec], now: dt.datetime) -> None:
-    """Store a batch's lines; a line that can never run is stored already ended."""
-    rows = []
-    errored = 0
+def insert_lines(batch: Batch, specs: Iterable[LineSpec], now: dt.datetime) -> None:
+    """Store a batch's lines, a page at a time (at most :data:`INSERT_LINES` rows or
+    :data:`INSERT_BYTES` of bodies); a line that can never run is stored already ended."""
+    rows: list[BatchLine] = []
+    size = errored = 0
     for spec in specs:
         line = BatchLine(
             batch=batch,
@@ -264,7 +226,15 @@ def insert_lines(batch: Batch, specs: list[LineSpec], now: dt.datetime) -> None:
             line.state, line.outcome, line.finished_at = DONE, ERRORED, now
             line.error_code, line.error_message = spec.error_code, spec.error_message
         rows.append(line)
-    BatchLine.objects.bulk_create(rows, batch_size=1000)
+        size += len(spec.body)
+        if len(rows) >= INSERT_LINES or size >= INSERT_BYTES:
+            BatchLine.objects.bulk_create(rows)
+            rows, size = [], 0
+            # This thread holds the interpreter between two pages; the event loop's
+            # turn comes now rather than at the next forced switch.
+            time.sleep(0)
+    if rows:
+        BatchLine.objects.bulk_create(rows)
     if errored:
         Batch.objects.filter(pk=batch.pk).update(errored=errored)
 
@@ -287,10 +257,10 @@ def batch_info(owner: Owner, api: str, public_id: str, base_url: str) -> dict[st
 def list_batches(
     owner: Owner, api: str, limit: int, after: str | None, before: str | None, base_url: str
 ) -> dict[str, Any]:
-    page = _page(_batches(owner, api), limit, after, before)
-    has_more = len(page) > limit
-    page = page[-limit:] if before else page[:limit]
-    items = [shapes.batch_object(b, base_url) for b in page]
+    found = page(_batches(owner, api), limit, after, before)
+    has_more = len(found) > limit
+    found = found[-limit:] if before else found[:limit]
+    items = [shapes.batch_object(b, base_url) for b in found]
     return listing(items, has_more, openai=api == OPENAI)
 
 

@@ -1,17 +1,23 @@
 """Reading an upload (``POST /v1/files``): the body within its limit, then Django's own
 multipart parser, never a hand-written one.
 
-The body is spooled (to memory while small, to a temporary file beyond) as it
-arrives, refused with 413 as soon as it passes the limit, or before a byte of it is
-read when its declared length already does. The file itself may be
-BATCH_FILE_MAX_BYTES long; the body around it a little more (the multipart framing).
+The body is spooled (to memory while small, to an unnamed temporary file beyond: a
+killed server leaves nothing of it) as it arrives, refused with 413 as soon as it
+passes the limit, or before a byte of it is read when its declared length already
+does. The parser hands the file part over in pieces, which go straight to the store
+(:class:`relay.server.batches.files.FileWriter`): the file is never held in memory.
+The file itself may be BATCH_FILE_MAX_BYTES long; the body around it a little more
+(the multipart framing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
-from dataclasses import dataclass
-from typing import IO
+from collections.abc import Callable
+from typing import IO, Any, Protocol
+
+from django.core.files.uploadhandler import FileUploadHandler
 
 from relay.server.http.request import ClientGone
 from relay.server.http.send import Receive
@@ -21,13 +27,14 @@ from relay.wire.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 FRAMING_BYTES = 64 * 1024
 #: Bodies larger than this are spooled to a temporary file while they arrive.
 SPOOL_IN_MEMORY = 1024 * 1024
+#: The spooling lets the event loop run others at least this often (in bytes).
+YIELD_BYTES = 256 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Upload:
-    filename: str
-    purpose: str
-    content: bytes
+class Sink(Protocol):
+    """Where the file part's bytes go as they are parsed (the store's writer)."""
+
+    def write(self, data: bytes) -> None: ...
 
 
 def body_limit(file_limit: int) -> int:
@@ -49,55 +56,95 @@ def check_head(headers: list[tuple[bytes, bytes]], file_limit: int) -> str:
     return content_type
 
 
+def least_file_bytes(headers: list[tuple[bytes, bytes]]) -> int:
+    """The least the file of a body of the declared length can hold (0: not declared)."""
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit():
+            return max(0, int(value) - FRAMING_BYTES)
+    return 0
+
+
 async def spool(receive: Receive, file_limit: int) -> tuple[IO[bytes], int]:
     """The body, read to its end or refused past its limit."""
-    limit = body_limit(file_limit)
     body: IO[bytes] = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)  # noqa: SIM115
-    size = 0
     try:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone()
-            chunk = message.get("body", b"")
-            if chunk:
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"A file may be at most {file_limit} bytes")
-                body.write(chunk)
-            if not message.get("more_body", False):
-                body.seek(0)
-                return body, size
+        too_large = f"A file may be at most {file_limit} bytes"
+        size = await write_body(receive, body, body_limit(file_limit), too_large)
     except BaseException:
         body.close()
         raise
+    body.seek(0)
+    return body, size
 
 
-def parse(content_type: str, body: IO[bytes], size: int, file_limit: int) -> Upload:
-    """The ``file`` and ``purpose`` fields of a multipart body (in a worker thread)."""
+async def write_body(receive: Receive, into: IO[bytes], limit: int, too_large: str) -> int:
+    """Write a request's body to ``into`` as it arrives; its size, or
+    :class:`PayloadTooLarge` (saying ``too_large``) as soon as it passes ``limit``."""
+    size = unyielded = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(too_large)
+            into.write(chunk)
+            unyielded += len(chunk)
+        if not message.get("more_body", False):
+            return size
+        if unyielded >= YIELD_BYTES:
+            # A body the server has buffered already comes without a pause: let
+            # everyone else run between the pieces of it.
+            unyielded = 0
+            await asyncio.sleep(0)
+
+
+def parse(
+    content_type: str,
+    body: IO[bytes],
+    size: int,
+    file_limit: int,
+    open_file: Callable[[str], Sink],
+) -> str:
+    """Parse a multipart body (in a worker thread): the ``file`` part goes to the sink
+    ``open_file`` gives for its name, piece by piece as it is read, never whole;
+    returns the ``purpose`` field."""
     from django.core.exceptions import RequestDataTooBig, SuspiciousOperation
-    from django.core.files.uploadhandler import (
-        MemoryFileUploadHandler,
-        TemporaryFileUploadHandler,
-    )
     from django.http.multipartparser import MultiPartParser, MultiPartParserError
 
     meta = {"CONTENT_TYPE": content_type, "CONTENT_LENGTH": str(size)}
-    handlers = [MemoryFileUploadHandler(), TemporaryFileUploadHandler()]
+    handler = _Handler(file_limit, open_file)
     try:
-        fields, files = MultiPartParser(meta, body, handlers, "utf-8").parse()
+        fields, _ = MultiPartParser(meta, body, [handler], "utf-8").parse()
     except (MultiPartParserError, RequestDataTooBig, SuspiciousOperation) as exc:
         raise BadRequest(f"The multipart body could not be read: {str(exc)[:200]}") from None
-    upload = files.get("file")
-    if upload is None:
-        raise BadRequest("file: a file part is required")
-    try:
-        if upload.size is not None and upload.size > file_limit:
-            raise PayloadTooLarge(f"A file may be at most {file_limit} bytes")
-        content = upload.read()
-    finally:
-        upload.close()
-    if len(content) > file_limit:
-        raise PayloadTooLarge(f"A file may be at most {file_limit} bytes")
-    purpose = fields.get("purpose") or ""
-    return Upload(upload.name or "upload.jsonl", str(purpose), content)
+    return str(fields.get("purpose") or "")
+
+
+class _Handler(FileUploadHandler):
+    """Django's upload handler interface: the ``file`` part's bytes to the sink (others
+    are dropped), refused past ``file_limit``. Nothing is kept for Django's ``files``."""
+
+    def __init__(self, file_limit: int, open_file: Callable[[str], Sink]) -> None:
+        super().__init__()
+        self.file_limit = file_limit
+        self.open_file = open_file
+        self.sink: Sink | None = None
+        self.size = 0
+
+    def new_file(self, field_name: str, file_name: str, *args: Any, **kwargs: Any) -> None:
+        super().new_file(field_name, file_name, *args, **kwargs)
+        self.sink = self.open_file(file_name) if field_name == "file" else None
+
+    def receive_data_chunk(self, raw_data: bytes, start: int) -> None:
+        # Returning nothing keeps the data from any other handler: the sink has it.
+        if self.sink is not None:
+            self.size += len(raw_data)
+            if self.size > self.file_limit:
+                raise PayloadTooLarge(f"A file may be at most {self.file_limit} bytes")
+            self.sink.write(raw_data)
+
+    def file_complete(self, file_size: int) -> None:
+        self.sink = None  # nothing for Django's ``files``: the file is in the store

@@ -339,8 +339,11 @@ class Cluster:
 
 
 def close_workers_of(relay: Relay, provider: str, reason: str) -> int:
-    """Close this process's workers of ``provider`` with 1008 and ``reason``; how many."""
-    workers = relay.registry.of_provider(provider)
+    """Close this process's workers of ``provider`` with 1008 and ``reason``; how many.
+
+    Workers with a credential of their own (SPEC §22) were not let in with the provider's
+    secret and stay."""
+    workers = [w for w in relay.registry.of_provider(provider) if w.identity is None]
     for worker in workers:
         relay.close_worker(worker, 1008, reason)
     return len(workers)

@@ -106,6 +106,8 @@ class Convergence:
 
         async def _want_slot(self, request: RelayRequest) -> None: ...
 
+        async def _loads_tick(self) -> None: ...
+
     # -- registering a worker ------------------------------------------------------
 
     async def join(self, worker: Worker) -> None:
@@ -130,6 +132,7 @@ class Convergence:
         workers = list(self.relay.registry.workers.values())
         if extra is not None and extra.id not in self.relay.registry.workers:
             workers.append(extra)
+        relay = self.relay
         rows = []
         for worker in workers:
             leases: dict[str, int] = {}
@@ -138,6 +141,14 @@ class Convergence:
                     request.lease = self._entry(request)
                 remaining = max(0.0, request.deadline - now)
                 leases[request.lease] = wall + int(remaining * 1000) + LEASE_MARGIN_MS
+            # Models on demand: only the loaded models are routed to it (``wm``); the
+            # others are where a load may go.
+            models, held, idle = worker.models, tuple[str, ...](), ""
+            if worker.states is not None:
+                loaded = worker.model_set
+                models = tuple(m for m in worker.models if m in loaded)
+                held = tuple(m for m in worker.models if m not in loaded)
+                idle = relay.idle_model(worker) or ""
             rows.append(
                 WorkerRow(
                     worker_id=worker.id,
@@ -145,9 +156,13 @@ class Convergence:
                     max_concurrent=worker.max_concurrent,
                     draining=worker.draining or self._leaving,
                     picky=worker.refuses is not None,
-                    models=worker.models,
+                    models=models,
                     leases=leases,
                     released=tuple(self._released.get(worker.id, ())),
+                    held=held,
+                    model_capacity=worker.model_capacity or 0,
+                    resident=relay.resident_count(worker),
+                    idle=idle,
                 )
             )
         return rows
@@ -218,12 +233,17 @@ class Convergence:
 
         Redis lists every live worker's models (ours too); a worker of ours serves its
         own through the registry, the rest are the others'."""
-        served = await self.state.served_models()
+        served, loaded = await self.state.served_models()
         local: dict[str, set[str]] = {}
+        local_loaded: dict[str, set[str]] = {}
         for worker in self.relay.registry.workers.values():
             local.setdefault(worker.provider, set()).update(worker.models)
+            local_loaded.setdefault(worker.provider, set()).update(worker.model_set)
+        # (A model loaded both here and elsewhere counts as loaded here only: at worst a
+        # tick's worth of asking the cluster for a load it answers is not needed.)
         self.relay.set_remote_models(
-            {p: frozenset(models - local.get(p, set())) for p, models in served.items()}
+            {p: frozenset(models - local.get(p, set())) for p, models in served.items()},
+            {p: frozenset(models - local_loaded.get(p, set())) for p, models in loaded.items()},
         )
 
     async def learn(self, model: str) -> bool:
@@ -264,6 +284,7 @@ class Convergence:
         for worker_id in feed:
             await self._feed(worker_id)
         await self._learn_models()
+        await self._loads_tick()
         self.queue_depth = await self.state.queue_depth(list(self.relay.providers))
         self.proxies.prune()
         if self._leaving:

@@ -28,7 +28,7 @@ import hashlib
 import re
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -124,8 +124,8 @@ class _Protocol(asyncio.Protocol):
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # (uvloop's transports implement asyncio.Transport without subclassing it.)
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data

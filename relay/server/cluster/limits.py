@@ -12,6 +12,11 @@ Implements :class:`relay.core.limits.LimitStore`. Redis keys, under
     script counts a process's slots only while its lease runs: the slots of a
     process that died stop counting within ``LIMITS_LEASE_SECS``, and its field is
     deleted once it has been gone for an hour. Nothing leaks when a process dies.
+``reserved:<key id>``
+    HASH: server process → tokens its requests in flight reserved against the key's
+    budgets (see :mod:`relay.core.limits`), counted like the slots: only while the
+    process's lease runs, so the reservations of a process that died stop counting
+    within ``LIMITS_LEASE_SECS``.
 ``rate:<key id>``
     the request-rate allowance (GCRA: the "theoretical arrival time", ms), expiring
     two minutes after it was last moved.
@@ -21,19 +26,22 @@ Implements :class:`relay.core.limits.LimitStore`. Redis keys, under
 
 Admission is one ``EVALSHA`` of :data:`ADMIT`: every check and every increment at
 once, atomically — one round trip, and none for a key without counted limits. When a
-request ends, its slot and its tokens are queued here and written by the store's own
-task, batched into one pipeline per wake-up: never on the request path. If such a
-write fails, the tokens are retried and this process's slot counts for the keys
-concerned are re-asserted from memory by the next heartbeat.
+request ends, its slot, its reservation and its tokens are queued here and written by
+the store's own task, batched into one pipeline per wake-up: never on the request path.
+If such a write fails (or finds less held than it gives back), the tokens are retried
+and this process's slot and reservation counts for the keys concerned are re-asserted
+from memory by the next heartbeat. Every script sets the expiry of what it writes.
 
 If Redis cannot be reached (or does not answer within ``REDIS_TIMEOUT_SECS``),
 :meth:`RedisLimitStore.acquire` admits within this process's share of each limit
-(:mod:`relay.server.cluster.limitshare`), and goes on doing so without asking Redis until
+(:mod:`relay.server.cluster.limitshare`; a budget's share counts the tokens this
+process's requests in flight reserved), and goes on doing so without asking Redis until
 a heartbeat (every :data:`RETRY_SECS` meanwhile) gets through: the relay keeps serving,
-and no key gets more than its limit from the cluster as a whole. Then the slots this
-process holds are re-asserted and the tokens it charged meanwhile written. After Sentinel
-moved the master, the new one may lack the last writes of the old one: the same recovery
-as for a lost lease runs at once.
+and no key gets more than its limit from the cluster as a whole. Then the slots and the
+reservations this process holds are re-asserted (by that heartbeat's script) and the
+tokens it charged meanwhile written. After Sentinel moved the master, the new one may
+lack the last writes of the old one: the same recovery as for a lost lease runs at once,
+which raises the token counters to the request log's figures (never lowers one).
 """
 
 from __future__ import annotations
@@ -57,8 +65,6 @@ logger = logging.getLogger("relay.limits")
 RETRY_SECS = 0.5
 #: A process gone this long is forgotten (its slot fields deleted).
 FORGET_MS = 3_600_000
-#: How long a key's slot counts outlive its last admission (as admit.lua sets it).
-SLOTS_TTL_MS = 86_400_000
 #: Token charges kept for retry while Redis is unreachable (beyond: dropped, logged).
 MAX_PENDING = 100_000
 
@@ -67,7 +73,6 @@ MAX_PENDING = 100_000
 ADMIT = lua("now", "admit")
 FINISH = lua("finish")
 BEAT = lua("now", "beat")
-HOLD = lua("hold")
 ATLEAST = lua("atleast")
 PEERS = lua("now", "peers")
 
@@ -115,7 +120,6 @@ class RedisLimitStore:
         self._admit = Script(self.lean, ADMIT) if self.lean else self.redis.register_script(ADMIT)
         self._finish = self.redis.register_script(FINISH)
         self._beat = self.redis.register_script(BEAT)
-        self._hold = self.redis.register_script(HOLD)
         self._atleast = self.redis.register_script(ATLEAST)
         self._peers = self.redis.register_script(PEERS)
         #: This process's share of each limit, while Redis cannot answer.
@@ -126,10 +130,12 @@ class RedisLimitStore:
         self.fallbacks = 0
         self._switched = False
         source.on_switch(self._master_switched)
-        #: Slots this process holds per key: the truth the heartbeat re-asserts.
+        #: Slots and reserved tokens this process holds per key: the truth the
+        #: heartbeat re-asserts.
         self.held: Counter[int] = Counter()
+        self.reserved: Counter[int] = Counter()
         self._repair: set[int] = set()
-        self._pending: list[tuple[int, bool, int, Periods]] = []
+        self._pending: list[tuple[int, bool, int, Periods, int]] = []
         self._wake = asyncio.Event()
         self._spend_source = spend_source
         self._calendar = calendar
@@ -140,14 +146,19 @@ class RedisLimitStore:
         return ":".join((self.prefix, *map(str, parts)))
 
     async def acquire(
-        self, key_id: int, limits: KeyLimits, at: Periods, now: float
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float, reserve: int = 0
     ) -> Refusal | None:
+        counted = limits.max_concurrent is not None
+        reserving = reserve if limits.budgeted and reserve > 0 else 0
+        if self.down:
+            return await self._by_share(key_id, limits, at, now, reserving)
         keys = [
             self._key("live"),
             self._key("slots", key_id),
             self._key("rate", key_id),
             self._key("day", key_id, at.day),
             self._key("month", key_id, at.month),
+            self._key("reserved", key_id),
         ]
         args: list[str | int] = [
             self.instance,
@@ -156,36 +167,31 @@ class RedisLimitStore:
             limits.requests_per_minute or 0,
             limits.tokens_per_day or 0,
             limits.tokens_per_month or 0,
+            reserving,
         ]
-        counted = limits.max_concurrent is not None
-        if self.down:
-            return await self._by_share(key_id, limits, at, now)
-        if counted:
-            # Before the round trip, so a heartbeat that crosses it cannot re-assert
-            # a count without this slot.
-            self.held[key_id] += 1
+        # Before the round trip, so a heartbeat that crosses it cannot re-assert a
+        # count without this slot and reservation.
+        self._hold(key_id, counted, reserving)
         try:
             code, retry_ms = await self._admit(keys=keys, args=args)
         except _FAILURES as exc:
-            if counted:
-                self._unhold(key_id)
+            self._unhold(key_id, counted, reserving)
             _unless_cancelled(exc)
             self._went_down(exc, at)
-            return await self._by_share(key_id, limits, at, now)
+            return await self._by_share(key_id, limits, at, now, reserving)
         except asyncio.CancelledError:
-            if counted:  # the script may have run: give the slot back either way
-                self.finish(key_id, True, 0, at)
+            if counted or reserving:  # the script may have run: give back either way
+                self.finish(key_id, counted, 0, at, reserving)
             raise
         if code == 0:
             try:
                 _unless_cancelled()
             except asyncio.CancelledError:
-                if counted:
-                    self.finish(key_id, True, 0, at)
+                if counted or reserving:
+                    self.finish(key_id, counted, 0, at, reserving)
                 raise
             return None
-        if counted:
-            self._unhold(key_id)
+        self._unhold(key_id, counted, reserving)
         return Refusal(_REFUSALS[int(code)], int(retry_ms) / 1000)
 
     def _went_down(self, exc: BaseException, at: Periods) -> None:
@@ -203,13 +209,20 @@ class RedisLimitStore:
         self._wake.set()  # the heartbeat tries again soon
 
     async def _by_share(
-        self, key_id: int, limits: KeyLimits, at: Periods, now: float
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float, reserve: int
     ) -> Refusal | None:
-        refusal = await self.share.acquire(key_id, limits, at, now, self.held.get(key_id, 0))
+        """Admit by this process's share (Redis unreachable): its slots and the tokens
+        its requests in flight reserved count against it, those admitted through Redis
+        before included; what this admits is written to Redis by the heartbeat that
+        gets through."""
+        refusal = await self.share.acquire(
+            key_id, limits, at, now, self.held.get(key_id, 0), self.reserved.get(key_id, 0)
+        )
         if refusal is None:
             self.fallbacks += 1
-            if limits.max_concurrent is not None:
-                self.held[key_id] += 1
+            counted = limits.max_concurrent is not None
+            if counted or reserve:
+                self._hold(key_id, counted, reserve)
                 self._repair.add(key_id)  # Redis hears of it with the next heartbeat
         return refusal
 
@@ -218,23 +231,30 @@ class RedisLimitStore:
         self._switched = True
         self._wake.set()
 
-    def _unhold(self, key_id: int) -> None:
-        left = self.held[key_id] - 1
-        if left > 0:
-            self.held[key_id] = left
-        else:
-            self.held.pop(key_id, None)
+    def _hold(self, key_id: int, slot: bool, tokens: int) -> None:
+        if slot:
+            self.held[key_id] += 1
+        if tokens:
+            self.reserved[key_id] += tokens
 
-    def finish(self, key_id: int, held: bool, tokens: int, at: Periods) -> None:
-        if held:
-            self._unhold(key_id)
+    def _unhold(self, key_id: int, slot: bool, tokens: int) -> None:
+        for counts, amount in ((self.held, int(slot)), (self.reserved, tokens)):
+            if amount:
+                left = counts[key_id] - amount
+                if left > 0:
+                    counts[key_id] = left
+                else:
+                    counts.pop(key_id, None)
+
+    def finish(self, key_id: int, held: bool, tokens: int, at: Periods, reserved: int = 0) -> None:
+        self._unhold(key_id, held, reserved)
         if self.down:
             self.share.charge(key_id, tokens, at)
         if len(self._pending) < MAX_PENDING:
-            self._pending.append((key_id, held, tokens, at))
+            self._pending.append((key_id, held, tokens, at, reserved))
         else:
             logger.warning("limit store backlog full: dropping a token charge of key %s", key_id)
-            if held:
+            if held or reserved:
                 self._repair.add(key_id)
         self._wake.set()
 
@@ -309,13 +329,14 @@ class RedisLimitStore:
             return
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                for key_id, held, tokens, at in batch:
+                for key_id, held, tokens, at, reserved in batch:
                     now = at.day_ends - DAY  # within the day; TTLs need not be exact
                     await self._finish(
                         keys=[
                             self._key("slots", key_id),
                             self._key("day", key_id, at.day),
                             self._key("month", key_id, at.month),
+                            self._key("reserved", key_id),
                         ],
                         args=[
                             self.instance,
@@ -323,38 +344,44 @@ class RedisLimitStore:
                             tokens,
                             int((at.day_ends - now + DAY) * 1000),
                             int((at.month_ends - now + DAY) * 1000),
+                            reserved,
                         ],
                         client=pipe,
                     )
-                await pipe.execute()
+                shorts = await pipe.execute()
         except (*_FAILURES, asyncio.CancelledError) as exc:
-            self._repair.update(key_id for key_id, held, _, _ in batch if held)
-            retry = [(k, False, tokens, at) for k, _, tokens, at in batch if tokens]
+            self._repair.update(k for k, held, _, _, reserved in batch if held or reserved)
+            retry = [(k, False, tokens, at, 0) for k, _, tokens, at, _ in batch if tokens]
             self._pending[:0] = retry[: MAX_PENDING - len(self._pending)]
             if isinstance(exc, asyncio.CancelledError):
                 raise
             _unless_cancelled(exc)
             logger.warning("could not write %d finished request(s) to Redis: %s", len(batch), exc)
             self._went_down(exc, batch[-1][3])
+            return
+        # Redis held less for this process than it gave back (it lost some): re-assert.
+        self._repair.update(entry[0] for entry, short in zip(batch, shorts, strict=True) if short)
 
     async def _heartbeat(self) -> None:
+        """Renew this process's lease, learn the processes holding one (the shares), and
+        re-assert, in the same script, this process's slot and reservation counts for
+        the keys to repair (each hash's expiry set with its write)."""
         repair, self._repair = self._repair, set()
         switched, self._switched = self._switched, False
+        keys = [self._key("live")]
+        args: list[str | int] = [self.instance, self.lease_ms, FORGET_MS]
+        for key_id in repair:  # this process's counts, as it knows them
+            keys += [self._key("slots", key_id), self._key("reserved", key_id)]
+            args += [self.held.get(key_id, 0), self.reserved.get(key_id, 0)]
+        # The requests that ended before now are out of those counts: the writes of theirs
+        # still waiting must not give back their slots and reservations a second time
+        # (those that end from here on are in the counts, and give back theirs).
+        settled = len(self._pending)
         try:
             async with self.redis.pipeline(transaction=False) as pipe:
-                await self._beat(
-                    keys=[self._key("live")],
-                    args=[self.instance, self.lease_ms, FORGET_MS],
-                    client=pipe,
-                )
+                await self._beat(keys=keys, args=args, client=pipe)
                 await self._peers(keys=[self._key("live")], client=pipe)
-                for key_id in repair:
-                    await self._hold(
-                        keys=[self._key("slots", key_id)],
-                        args=[self.instance, self.held.get(key_id, 0), SLOTS_TTL_MS],
-                        client=pipe,
-                    )
-                lost, peers, *_ = await pipe.execute()
+                lost, peers = await pipe.execute()
         except _FAILURES as exc:
             self._repair |= repair
             self._switched |= switched
@@ -362,28 +389,33 @@ class RedisLimitStore:
             if not self.down:
                 logger.warning("could not renew this process's lease in Redis: %s", exc)
             return
-        # The counts just re-asserted already leave out the slots freed since: the writes
-        # still waiting must not give those back a second time.
-        self._pending = [
-            (key_id, held and key_id not in repair, tokens, at)
-            for key_id, held, tokens, at in self._pending
-        ]
+        if repair:
+            self._pending[:settled] = [
+                (entry[0], False, entry[2], entry[3], 0) if entry[0] in repair else entry
+                for entry in self._pending[:settled]
+            ]
         self.share.peers = frozenset(peers)
         if self.down:
             self.down = False
             logger.warning("limit store: Redis answers again; admitting through it")
+            self._wake.set()  # the writes kept meanwhile go now
         if int(lost) or switched:
             await self._recover()
 
     async def _recover(self) -> None:
         """Our lease was gone, or the master moved: Redis may have lost counters (all of
-        them, or the last writes). Re-assert the slots this process holds, and raise each
-        token counter to at least what the request log says (which every process writes;
-        a counter is never lowered)."""
+        them, or the last writes). Re-assert the slots and reservations this process
+        holds, and raise each token counter to at least what the request log says (which
+        every process writes; a counter is never lowered)."""
         self.recoveries += 1
         logger.warning("limit store: Redis may have lost counters; re-asserting this process's")
-        # (Also the keys whose last slot here ended since: Redis may or may not count it.)
-        self._repair |= set(self.held) | {k for k, held, _, _ in self._pending if held}
+        # (Also the keys whose last slot or reservation here ended since: Redis may or may
+        # not count it.)
+        self._repair |= (
+            set(self.held)
+            | set(self.reserved)
+            | {k for k, held, _, _, reserved in self._pending if held or reserved}
+        )
         if self._spend_source is None or self._calendar is None:
             return
         at = self._calendar()
@@ -406,4 +438,4 @@ class RedisLimitStore:
             _unless_cancelled(exc)
             logger.warning("could not put the tokens spent back in Redis: %s", exc)
             return
-        await self._heartbeat()  # the slots now, not a beat later
+        await self._heartbeat()  # the slots and reservations now, not a beat later

@@ -15,10 +15,12 @@ them in the order of their ids, so the shares add up to the limit exactly. A sha
 - ``requests_per_minute``: its share of the rate, from a fresh allowance;
 - ``tokens_per_day``, ``tokens_per_month``: its share of what was left at the last reading
   of the key's spend (``RedisLimitStore.spend``, every ``SYNC_SECS``), counting what it
-  charges meanwhile.
+  charges meanwhile and the tokens its requests in flight reserved (those admitted through
+  Redis before it went away included) as spent already, as admission through Redis does.
 
-When Redis answers again its counters are the truth again; the slots this process holds
-and the tokens it charged meanwhile are written there (:mod:`relay.server.cluster.limits`).
+When Redis answers again its counters are the truth again; the slots and reservations
+this process holds and the tokens it charged meanwhile are written there
+(:mod:`relay.server.cluster.limits`).
 """
 
 from __future__ import annotations
@@ -74,11 +76,18 @@ class LimitShare:
             self.known_spend[key_id] = spend.get(key_id, (0, 0))
 
     async def acquire(
-        self, key_id: int, limits: KeyLimits, at: Periods, now: float, held: int
+        self,
+        key_id: int,
+        limits: KeyLimits,
+        at: Periods,
+        now: float,
+        held: int,
+        reserved: int = 0,
     ) -> Refusal | None:
         """Admit one request of ``key_id`` within this process's share (``held``: the
-        concurrency slots it holds for the key now). Counts its rate; the caller counts
-        its slot."""
+        concurrency slots it holds for the key now; ``reserved``: the tokens its requests
+        in flight reserved against the key's budgets, which count as spent). Counts its
+        rate; the caller counts its slot and its reservation."""
         processes, rank = self.place()
         most = limits.max_concurrent
         if most is not None and held >= share(most, processes, rank):
@@ -91,14 +100,15 @@ class LimitShare:
             limits,
             max_concurrent=None,
             requests_per_minute=None if rate is None else share(rate, processes, rank),
-            tokens_per_day=_budget(limits.tokens_per_day, day, processes, rank),
-            tokens_per_month=_budget(limits.tokens_per_month, month, processes, rank),
+            tokens_per_day=_budget(limits.tokens_per_day, day, processes, rank, reserved),
+            tokens_per_month=_budget(limits.tokens_per_month, month, processes, rank, reserved),
         )
         return await self._local.acquire(key_id, local, at, now)
 
 
-def _budget(limit: int | None, spent: int, processes: int, rank: int) -> int | None:
-    """What may be spent in all, counting ``spent``: that plus a share of what is left."""
+def _budget(limit: int | None, spent: int, processes: int, rank: int, reserved: int) -> int | None:
+    """What may be spent in all, counting ``spent``: that plus a share of what is left,
+    less what is ``reserved`` of the share (the local store counts what was charged)."""
     if limit is None:
         return None
-    return spent + share(max(0, limit - spent), processes, rank)
+    return spent + share(max(0, limit - spent), processes, rank) - reserved

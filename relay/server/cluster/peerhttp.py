@@ -2,8 +2,8 @@
 
 The cluster link (:mod:`relay.server.cluster.proxy`) sends each request to the process its
 worker is connected to, and that process's own fast path answers: a ``Content-Length``
-body, a chunked stream, or a body up to the end of the connection. Responses are
-parsed by llhttp (``httptools``, the parser of Node.js and uvicorn): a malformed status
+body, a chunked stream, or a body up to the end of the connection. Responses are read
+as the worker reads its backend's (:mod:`relay.wire.http1`, llhttp): a malformed status
 line, header, chunk size or ``Content-Length``, a response framed both ways, or bytes
 after its end are a :class:`PeerError`, never a guess. Connections are kept alive and
 reused, newest first, per address; one that ended its response cleanly goes back to
@@ -21,11 +21,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-import httptools
+from relay.wire.http1 import ResponseReader
 
-#: A response whose head (interim responses included) has not ended within this many
-#: bytes is refused.
-MAX_HEAD = 64 * 1024
 #: Idle connections kept per address.
 MAX_IDLE = 256
 #: Time allowed to connect, and to write a request.
@@ -43,121 +40,51 @@ class PeerRefused(PeerError):
     """The connection was refused: nothing listens at the address (the process is gone)."""
 
 
+class _PeerResponseReader(ResponseReader):
+    """The responses of one connection to another process; malformed ones raise
+    :class:`PeerError`. What llhttp hands over of a body is kept in :attr:`body` until
+    :meth:`PeerResponse.chunks` takes it (all of it, or the connection is closed: a
+    reused connection's reader holds none)."""
+
+    __slots__ = ("body",)
+
+    error = PeerError
+
+    def __init__(self) -> None:
+        self.body: list[bytes] = []
+        super().__init__(None, self._take)
+
+    def _take(self, data: bytes) -> None:
+        self.body.append(data)
+
+
 class _Conn:
     __slots__ = ("parsed", "reader", "writer")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader = reader
         self.writer = writer
-        self.parsed = _Response()
+        self.parsed = _PeerResponseReader()
 
     def close(self) -> None:
         self.writer.transport.abort()
 
 
-class _Response:
-    """llhttp's callbacks for the responses of one connection; what it parsed so far.
-
-    One per connection, reset by :meth:`expect` for each request: the parser and this
-    object refer to each other, and a pair per request would be garbage for the
-    cycle collector.
-    """
-
-    __slots__ = ("_interim", "_parser", "body", "complete", "headers", "keep_alive", "received",
-                 "status", "until_close")  # fmt: skip
-
-    def __init__(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
-        self.expect()
-
-    def expect(self) -> None:
-        """Expect a new response (before a request is written)."""
-        self.status = 0  # set once the final response's head is complete
-        self.headers: list[tuple[str, str]] = []
-        self.keep_alive = False
-        self.until_close = False
-        self.complete = False
-        self.body: list[bytes] = []
-        self.received = 0  # bytes fed, counted until the head ended
-        self._interim = False
-
-    def feed(self, data: bytes) -> None:
-        if not self.status:
-            room = MAX_HEAD - self.received
-            if len(data) > room:
-                # The head must end within the bytes left to the limit, wherever the
-                # reads split the response; what follows it is parsed after the check.
-                self.received = MAX_HEAD
-                if room:
-                    self._parse(data[:room])
-                if not self.status:
-                    raise PeerError("response head too large")
-                data = data[room:]
-            else:
-                self.received += len(data)
-        self._parse(data)
-
-    def _parse(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:
-            raise (exc.__context__ or PeerError(f"bad response: {exc}")) from None
-        except httptools.HttpParserUpgrade:
-            raise PeerError("bad response: switching protocols") from None
-        except httptools.HttpParserError as exc:
-            raise PeerError(f"bad response: {exc}") from None
-
-    def on_message_begin(self) -> None:
-        if self.complete:
-            raise PeerError("bad response: data after its end")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.strip(b" \t").decode("latin-1")))
-
-    def on_headers_complete(self) -> None:
-        parser = self._parser
-        status = parser.get_status_code()
-        if not parser.get_http_version().startswith("1.") or not 100 <= status < 1000:
-            raise PeerError(f"bad status line: HTTP/{parser.get_http_version()} {status}")
-        if status < 200:
-            if status == 101:
-                raise PeerError("bad response: switching protocols")
-            self.headers, self._interim = [], True  # skipped; the final response follows
-            return
-        codings: list[str] = []
-        length = False
-        for name, value in self.headers:
-            key = name.lower()
-            if key == "transfer-encoding":
-                codings += [c.strip().lower() for c in value.split(",") if c.strip()]
-            elif key == "content-length":
-                length = True
-        if codings and codings != ["chunked"]:
-            raise PeerError("bad response: unsupported transfer-encoding")
-        self.keep_alive = parser.should_keep_alive()
-        self.until_close = not (codings or length or status in (204, 304))
-        self.status = status
-
-    def on_body(self, data: bytes) -> None:
-        self.body.append(data)
-
-    def on_message_complete(self) -> None:
-        if self._interim:
-            self._interim = False
-        else:
-            self.complete = True
-
-
 class PeerResponse:
-    def __init__(self, parsed: _Response, conn: _Conn, client: PeerClient, address: str) -> None:
-        self.status = parsed.status
-        self.headers = parsed.headers
+    def __init__(
+        self, parsed: _PeerResponseReader, conn: _Conn, client: PeerClient, address: str
+    ) -> None:
+        head = parsed.head
+        assert head is not None
+        self.status = head.status
+        #: ``(lowercased name, value)`` as received (values decoded as ISO-8859-1).
+        self.headers = head.headers
         self._parsed = parsed
         self._conn = conn
         self._client = client
         self._address = address
         self._done = False
-        self._header_map = {k.lower(): v for k, v in parsed.headers}
+        self._header_map = dict(head.headers)
 
     def header(self, name: str) -> str:
         """A header's value ("" when absent)."""
@@ -192,7 +119,8 @@ class PeerResponse:
     def release(self) -> None:
         """End the exchange: a connection whose response was read to its end goes back
         to the pool; otherwise it is closed (telling the other process)."""
-        if self._done and self._parsed.keep_alive and not self._parsed.until_close:
+        head = self._parsed.head
+        if self._done and head is not None and head.keep_alive:
             self._client._idle(self._address, self._conn)
         else:
             self._conn.close()
@@ -254,7 +182,7 @@ class PeerClient:
                 conn.writer.write(request)
                 async with asyncio.timeout(WRITE_SECS):
                     await conn.writer.drain()
-                while not parsed.status:
+                while parsed.head is None:
                     data = await conn.reader.read(READ_BYTES)
                     if not data:
                         raise ConnectionResetError("connection ended before the response")

@@ -35,6 +35,7 @@ from relay.core.legacy.tasks import refusal
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.cluster.convergence import LEASE_MARGIN_MS, TROUBLE, Convergence, now_ms
+from relay.server.cluster.loads import ClusterLoads
 from relay.server.cluster.preempt import ClusterPreemption
 from relay.server.cluster.proxy import ProxyPool
 from relay.server.cluster.redissource import RedisSource, source_of
@@ -52,7 +53,7 @@ TICK_SECS = 1.0
 TTL_SECS = 5.0
 
 
-class RedisPlacement(Convergence, ClusterPreemption):
+class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
     def __init__(
         self,
         relay: Relay,
@@ -114,6 +115,7 @@ class RedisPlacement(Convergence, ClusterPreemption):
         self._asks = itertools.count()
         #: Set when Redis answers again: asks for a preemption may have been lost meanwhile.
         self._reask = False
+        self._init_loads()
 
     # -- the Placement protocol ------------------------------------------------------
 
@@ -283,6 +285,9 @@ class RedisPlacement(Convergence, ClusterPreemption):
         kind, _, rest = message.partition(" ")
         if kind == "preempt":
             self._spawn(self._preempt_for(rest))
+            return
+        if kind == "ops":  # models on demand: a load for one of our workers (loads.py)
+            self._spawn(self._take_ops())
             return
         entry, _, where = rest.partition(" ")
         if kind == "placed" and entry and where:

@@ -10,9 +10,10 @@ that fits it waits, and no worker is ever reserved past its ``max_concurrent``.
 The shared queue keeps the order of :mod:`relay.core.classqueue` across processes: the
 highest priority class with a compatible request first (a request that waited the
 aging bound per class counting that many classes higher); within a class, requeued
-requests first, oldest arrival first; then the API keys take turns in one ring per
-provider and class (weighted round-robin, every request costs one credit of its key's
-turn), FIFO within a key among the requests the worker can serve.
+requests and those aged into it first, oldest arrival first (nothing that arrived after
+a request aged passes it); then the API keys take turns in one ring per provider and
+class (weighted round-robin, every request costs one credit of its key's turn), FIFO
+within a key among the requests the worker can serve.
 
 Keys (``P`` is REDIS_PREFIX):
 
@@ -29,6 +30,15 @@ Keys (``P`` is REDIS_PREFIX):
   request never came is dropped a TTL later);
 - ``P:m:<provider>:<model>``: the workers serving a model — a hint, pruned of any
   worker its live process does not list with that model;
+- models on demand (SPEC §19): a worker's ``wm`` lists only the models it has loaded
+  (the ones routed to it); ``P:wh:<worker>`` the others it holds, ``P:mh:<provider>:
+  <model>`` (a hint, like ``m``) the workers holding a model without having it loaded,
+  and its row's ``mcap``, ``resident`` and ``idle`` its model slots, how many it has
+  loaded or loading, and the model it could unload to make room; ``P:ld:<provider>:
+  <model>`` the single load on its way (the worker; expires with MODEL_LOAD_TIMEOUT_SECS),
+  ``P:ldf:<provider>:<model>`` the workers whose load of it failed lately, and
+  ``P:ops:<instance>`` (hash) the loads that process is to start, read by it on its
+  channel's notice or at its next tick;
 - ``P:pl:<entry>``: where the slot found for a queued request is (until it lapses), for
   its process to read back when the notice on its channel was lost;
 - ``P:qm:<provider>`` (hash: entries waiting per model, never below the truth);
@@ -61,6 +71,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import redis.asyncio as aioredis
 
 from relay.server.cluster import scripts
@@ -127,6 +138,13 @@ class WorkerRow:
     leases: dict[str, int]
     #: Reservations released here that Redis may not have heard of.
     released: tuple[str, ...] = ()
+    #: Models on demand: the models it holds without having them loaded (``models`` are
+    #: the loaded ones), its model slots (0: no bound), how many it has loaded or
+    #: loading, and the model it could unload to make room for another ('' for none).
+    held: tuple[str, ...] = ()
+    model_capacity: int = 0
+    resident: int = 0
+    idle: str = ""
 
 
 class ClusterState:
@@ -144,6 +162,8 @@ class ClusterState:
         self._served = redis.register_script(scripts.SERVED)
         self._lookup = redis.register_script(scripts.LOOKUP)
         self._where = redis.register_script(scripts.WHERE)
+        self._want = redis.register_script(scripts.WANT)
+        self._load_done = redis.register_script(scripts.LOAD_DONE)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.prefix, *parts))
@@ -293,6 +313,11 @@ class ClusterState:
                 "1" if row.picky else "0",
                 len(row.models),
                 *row.models,
+                len(row.held),
+                *row.held,
+                row.model_capacity,
+                row.resident,
+                row.idle,
                 len(row.leases),
             ]
             for lease, expiry in row.leases.items():
@@ -307,17 +332,67 @@ class ClusterState:
         """A worker left this process: no longer offered (its keys go with it)."""
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.srem(self._key("pw", instance), worker_id)
-            for kind in ("w", "wm", "l"):
+            for kind in ("w", "wm", "wh", "l"):
                 pipe.delete(self._key(kind, worker_id))
             await pipe.execute()
 
-    async def served_models(self) -> dict[str, set[str]]:
-        """provider -> models some live worker of the cluster serves (ours included)."""
+    async def served_models(self) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+        """provider -> models some live worker of the cluster serves (ours included), and
+        provider -> the part of them some live worker has loaded (models on demand)."""
         flat = await self._served(args=[self.prefix])
-        out: dict[str, set[str]] = {}
-        for i in range(0, len(flat) - 1, 2):
-            out.setdefault(self.decode(flat[i]), set()).add(self.decode(flat[i + 1]))
+        served: dict[str, set[str]] = {}
+        loaded: dict[str, set[str]] = {}
+        for i in range(0, len(flat) - 2, 3):
+            provider, model = self.decode(flat[i]), self.decode(flat[i + 1])
+            served.setdefault(provider, set()).add(model)
+            if self.decode(flat[i + 2]) == "1":
+                loaded.setdefault(provider, set()).add(model)
+        return served, loaded
+
+    # -- models on demand (SPEC §19) -------------------------------------------------
+
+    async def want(
+        self, provider: str, model: str, lock_ms: int, now_ms: int, *, scale: bool = False
+    ) -> tuple[str, str, str]:
+        """Requests wait for ``model``: have it loaded once, cluster-wide (see
+        :data:`scripts.WANT`). Returns the verdict and, when ``sent``, the worker chosen
+        and its process (else empty strings)."""
+        reply = await self._want(
+            args=[self.prefix, provider, model, lock_ms, "1" if scale else "0", now_ms]
+        )
+        parts = [self.decode(item) for item in reply] + ["", ""]
+        return parts[0], parts[1], parts[2]
+
+    async def load_done(
+        self, provider: str, model: str, worker_id: str, ok: bool | None, lock_ms: int
+    ) -> None:
+        """The worker chosen by :meth:`want` is done loading ``model`` (``ok`` None: it
+        did not start, the worker could not take it by then; see
+        :data:`scripts.LOAD_DONE`)."""
+        outcome = "" if ok is None else "1" if ok else "0"
+        await self._load_done(args=[self.prefix, provider, model, worker_id, outcome, lock_ms])
+
+    async def take_ops(self, instance: str) -> list[tuple[str, str, str, str, bool]]:
+        """The loads the cluster chose this process's workers for, taken (each once):
+        ``(provider, model, worker, model to unload first or '', scale-out)``."""
+        key = self._key("ops", instance)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(key)
+            pipe.delete(key)
+            records, _ = await pipe.execute()
+        out = []
+        for field, value in records.items():
+            try:
+                provider, model = msgspec.json.decode(field)
+                worker_id, victim, scale = msgspec.json.decode(value)
+            except (msgspec.DecodeError, ValueError, TypeError):
+                continue  # (written by our own script: never, but never trusted either)
+            out.append((str(provider), str(model), str(worker_id), str(victim), scale == "1"))
         return out
+
+    async def queued(self, provider: str, model: str) -> int:
+        """Requests for ``model`` waiting in the shared queue (never below the truth)."""
+        return int(await self.redis.hget(self._key("qm", provider), model) or 0)
 
     async def lookup(self, pairs: list[tuple[str, str]]) -> set[str]:
         """The providers among ``(provider, model)`` pairs that a live worker serves."""

@@ -34,9 +34,9 @@ from django.urls import Resolver404, resolve
 from relay.core.legacy import oldapi
 from relay.server import runtime
 from relay.server.batches import api as batches
-from relay.server.batches import upload
 from relay.server.cluster.proxy import TOKEN_HEADER
 from relay.server.http.request import before_body, host_allowed, looks_anthropic, route_table
+from relay.wire import joining
 from relay.wire.errors import (
     BadRequest,
     Flavor,
@@ -62,11 +62,14 @@ Response = tuple[int, Headers, bytes]
 
 class Verdict(NamedTuple):
     """What :func:`check` found: a response to refuse the request with, or the most
-    body bytes it may send (a chunked body is cut off there with ``too_large``)."""
+    body bytes it may send (a chunked body is cut off there with ``too_large``), or
+    ``wait``: ask again once the runtime is ready (its API keys loaded), reading
+    nothing of the body meanwhile."""
 
     refusal: Response | None = None
     limit: int | None = None
     too_large: Callable[[], Response] | None = None
+    wait: bool = False
 
 
 PASS = Verdict()
@@ -154,6 +157,8 @@ def check(method: str, path: str, headers: Headers) -> Verdict:
         return _limited(rt.config.max_request_bytes, flavor)
     if path == oldapi.PATH:
         return _old_api(method, headers)
+    if path == joining.PATH:  # a token and a name (relay/server/http/join.py)
+        return _limited(joining.MAX_JOIN_BYTES, "openai")
     if batches.serves(path):
         return _batches(method, path, headers)
     models = path == "/v1/models" or path.startswith("/v1/models/")
@@ -222,19 +227,15 @@ def old_api_head(method: str, headers: Headers, *, check_key: bool = True) -> in
 
 
 def _batches(method: str, path: str, headers: Headers) -> Verdict:
-    """Files, Batches and Message Batches: an upload over its size limit or without a
-    valid key, any other body without a valid key."""
+    """Files, Batches and Message Batches, as the application checks them: the key,
+    then the method, the content type and each route's own body limit. Before the API
+    keys are loaded the verdict is to wait for them (never to read the body first)."""
     flavor = batches.flavor_of(path)
-    limited = _limited(upload.body_limit(settings.BATCH_FILE_MAX_BYTES), flavor)
     if not keys_ready():
-        return limited
-    err: RelayError | None = None
-    try:  # the key first, as the application checks it
-        batches.who({"headers": headers}, flavor)
+        return Verdict(wait=True)
+    try:
+        batches.who({"headers": headers}, flavor)  # the key first, as the application
+        limit = batches.check_head(method, path, headers)
     except RelayError as refused:
-        err = refused
-    if err is None:
-        err = batches.refused_before_body(method, path, headers)
-    if err is not None:
-        return Verdict(refusal=error_response(err, flavor))
-    return limited
+        return Verdict(refusal=error_response(refused, flavor))
+    return _limited(limit, flavor)

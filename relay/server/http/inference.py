@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 from relay.core import classes
-from relay.core.keystats import key_name
 from relay.server import runtime
 from relay.server.cluster.proxy import (
     CLASS_HEADER,
@@ -44,11 +43,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
     relay = rt.relay
     path = scope["path"]
     tracing = rt.tracing
-    trace = (
-        None
-        if tracing is None
-        else tracing.begin(scope["headers"], method, path, relay.loop.time())
-    )
+    trace = tracing.begin(scope["headers"], method, path)
     await rt.ready()  # providers and keys loaded (instant after the first request)
     try:
         key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
@@ -63,13 +58,11 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
         wanted = classes.asked(header(scope, b"x-priority"), tier)
     except ClientGone:
-        if trace is not None and tracing is not None:
-            tracing.rejected(trace, 499, "cancelled")
+        tracing.rejected(trace, 499, "cancelled")
         return
     except RelayError as err:
         relay.record_rejection(err, "", path, False, None)
-        if trace is not None and tracing is not None:
-            tracing.rejected(trace, err.status, err.outcome)
+        tracing.rejected(trace, err.status, err.outcome)
         await send_error(send, err, flavor, cors)
         return
     if rt.placement is not None and not relay.knows(model):
@@ -78,11 +71,10 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
     ticket = None
     if key_id is not None:
         try:  # the key's limits (SPEC §13): one Redis round trip at most
-            ticket = await rt.admit(key_id, model)
+            ticket = await rt.admit(key_id, model, head.prompt.reservation)
         except RelayError as err:
             relay.record_rejection(err, model, path, stream, key_id)
-            if trace is not None and tracing is not None:
-                tracing.rejected(trace, err.status, err.outcome, model)
+            tracing.rejected(trace, err.status, err.outcome, model)
             await send_error(send, err, flavor, cors)
             return
     try:
@@ -106,15 +98,13 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         if ticket is not None:
             ticket.close()
         failed = exc if isinstance(exc, RelayError) else None
-        if trace is not None and tracing is not None:
-            status, outcome = (500, "error") if failed is None else (failed.status, failed.outcome)
-            tracing.rejected(trace, status, outcome, model)
+        status, outcome = (500, "error") if failed is None else (failed.status, failed.outcome)
+        tracing.rejected(trace, status, outcome, model)
         if failed is None:
             raise
         await send_error(send, failed, flavor, cors)  # already counted by the core
         return
-    if trace is not None and tracing is not None:
-        tracing.admitted(trace, request, None if key_id is None else key_name(rt.keys, key_id))
+    tracing.admitted(trace, request)
     logrecord.request_id.set(request.id)  # every line this task logs names it
     await respond(relay, request, receive, send, cors or [])
 
@@ -136,9 +126,8 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
     relay = rt.relay
     path = scope["path"]
     tracing = rt.tracing
-    trace = None
-    if tracing is not None:  # continues the trace of the process the client reached
-        trace = tracing.begin(scope["headers"], "placed", path, relay.loop.time())
+    # Continues the trace of the process the client reached, whatever OTEL_TRUST_INCOMING.
+    trace = tracing.begin(scope["headers"], "placed", path, peer=True)
     worker_id, _, lease = (header(scope, LEASE_HEADER_B) or b"").decode().partition(" ")
     try:
         lifetime = float(header(scope, LIFETIME_HEADER_B) or b"0")
@@ -167,8 +156,7 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         )
     except ClientGone:
         placement.release(worker_id, lease)
-        if trace is not None and tracing is not None:
-            tracing.rejected(trace, 499, "cancelled")
+        tracing.rejected(trace, 499, "cancelled")
         return
     except (RelayError, ValueError, UnicodeDecodeError) as exc:
         worker = relay.registry.workers.get(worker_id)
@@ -177,12 +165,10 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         else:
             placement.release(worker_id, lease)
         err = exc if isinstance(exc, RelayError) else BadRequest("Malformed internal request")
-        if trace is not None and tracing is not None:
-            tracing.rejected(trace, err.status, err.outcome)
+        tracing.rejected(trace, err.status, err.outcome)
         await send_error(send, err, flavor)
         return
-    if trace is not None and tracing is not None:
-        tracing.admitted(trace, request, None)
+    tracing.admitted(trace, request)
     placement.extend(worker_id, lease, request)
     logrecord.request_id.set(request.id)
     await respond(relay, request, receive, send, [])

@@ -108,17 +108,26 @@ async def models(scope: Scope, send: Send, path: str) -> None:
             if limits.allowed_models is not None:  # a key sees only what it may use
                 models = {m: p for m, p in models.items() if m in limits.allowed_models}
         created = int(rt.relay.started_wall)
+        # Models on demand (SPEC §19): loadable models are listed too, each with its
+        # best state on a worker in an extra field (SDKs ignore fields they do not know).
+        states = rt.relay.model_state_view()
 
         def describe(model: str) -> dict[str, Any]:
+            document: dict[str, Any]
             if anthropic:
-                return {
+                document = {
                     "type": "model",
                     "id": model,
                     "display_name": model,
                     "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
                 }
-            owner = ",".join(sorted(models[model]))
-            return {"id": model, "object": "model", "created": created, "owned_by": owner}
+            else:
+                owner = ",".join(sorted(models[model]))
+                document = {"id": model, "object": "model", "created": created, "owned_by": owner}
+            state = states.get(model)
+            if state is not None:
+                document["state"] = state
+            return document
 
         if single:
             model_id = path[len("/v1/models/") :]

@@ -3,8 +3,8 @@
 :func:`before_body` holds every check that can be made from the method and headers
 alone; under daphne it runs as soon as the headers are in (see
 :mod:`modelrelay_site.daphne`), so a request that would be refused anyway is never
-read. :func:`read_body` reads within the size limit; :func:`parse_head` reads the two
-fields the relay needs from the body.
+read. :func:`read_body` reads within the size limit; :func:`read_head` reads the few
+fields the relay needs from the body, in one typed pass.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from relay.core.affinity import Prompt
+from relay.core.limits import Cost
 from relay.core.routes import parse_routes
 from relay.server.http.send import Receive, Scope
 from relay.wire.errors import (
@@ -86,9 +86,10 @@ def reset_hosts() -> None:
     _hosts = None
 
 
-class _Head(Prompt):
+class _Head(Cost):
     """The only fields the relay reads from a client body (with what cache-aware
-    routing reads, :class:`relay.core.affinity.Prompt`, in the same pass)."""
+    routing reads, :class:`relay.core.affinity.Prompt`, and what the key's budgets
+    reserve, in the same pass)."""
 
     model: Any = msgspec.UNSET
     stream: Any = msgspec.UNSET
@@ -103,8 +104,9 @@ class Head(NamedTuple):
     stream: bool
     #: As sent (None: absent); :func:`relay.core.classes.asked` reads it.
     service_tier: object
-    #: What cache-aware routing reads (SPEC §14).
-    prompt: Prompt | None = None
+    #: What cache-aware routing reads (SPEC §14), and what the key's budgets reserve
+    #: (``prompt.reservation()``, worked out only for a key with a budget).
+    prompt: Cost
 
 
 class ClientGone(Exception):

@@ -4,6 +4,15 @@ A request's response loop waits on its :class:`~relay.core.state.RelayRequest`
 mailbox while a watcher task turns ``http.disconnect`` into a cancel of that same
 request object: client disconnects, timeouts and worker loss all end in one place.
 
+A client that leaves a stream after its last event (``data: [DONE]``, ``message_stop``,
+``response.completed``) has cancelled nothing: the SDKs close the connection as soon as
+they read it, often before the worker's completion arrives. The response loop notes
+that event going by (:class:`~relay.wire.sse.StreamEnd`, a search over each part it
+writes); from then on a disconnect *detaches* the request
+(:meth:`relay.core.relay.Relay.detach`) instead of cancelling it, so that it ends ``ok``
+with its usage charged. The loop runs on until then (within STREAM_END_GRACE_SECS),
+writing nothing that reaches anyone.
+
 A streamed part is reported to the core as delivered once ``send`` returns, which
 both servers hold back while the client's connection is full (uvicorn natively,
 daphne through :mod:`modelrelay_site.daphne`): what the core counts as pending
@@ -26,7 +35,7 @@ from relay.server.http.send import (
     send_error,
 )
 from relay.wire.errors import RelayError
-from relay.wire.sse import STREAM_HEADERS, error_event
+from relay.wire.sse import STREAM_HEADERS, StreamEnd, error_event
 
 logger = logging.getLogger("relay.http")
 
@@ -39,16 +48,17 @@ async def respond(
     extra_headers: list[tuple[bytes, bytes]],
 ) -> None:
     """Write ``request``'s outcome to the client until it ends or the client leaves."""
-    watcher = asyncio.ensure_future(_watch_disconnect(relay, request, receive))
+    end = StreamEnd.of(request.flavor) if request.is_streaming else None
+    watcher = asyncio.ensure_future(_watch_disconnect(relay, request, receive, end))
     try:
-        if request.is_streaming:
-            await _stream(relay, request, send, extra_headers)
+        if end is not None:
+            await _stream(relay, request, send, extra_headers, end)
         else:
             await _unary(request, send, extra_headers)
     finally:
         # No-op when the request already ended; otherwise the edge is going away
         # (cancelled by the server, or a send failed): free the slot now.
-        relay.cancel(request, "client_disconnect")
+        _left(relay, request, end)
         relay.release(request)
         watcher.cancel()
         try:
@@ -57,12 +67,23 @@ async def respond(
             pass
 
 
-async def _watch_disconnect(relay: Relay, request: RelayRequest, receive: Receive) -> None:
+async def _watch_disconnect(
+    relay: Relay, request: RelayRequest, receive: Receive, end: StreamEnd | None
+) -> None:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            relay.cancel(request, "client_disconnect")
+            _left(relay, request, end)
             return
+
+
+def _left(relay: Relay, request: RelayRequest, end: StreamEnd | None) -> None:
+    """The client is gone (or the edge gave up on it): cancel the request, unless the
+    stream's last event already reached it (then only a late completion is waited for)."""
+    if end is not None and end.seen:
+        relay.detach(request)
+    else:
+        relay.cancel(request, "client_disconnect")
 
 
 async def _unary(request: RelayRequest, send: Send, extra: list[tuple[bytes, bytes]]) -> None:
@@ -79,11 +100,15 @@ async def _unary(request: RelayRequest, send: Send, extra: list[tuple[bytes, byt
 
 
 async def _stream(
-    relay: Relay, request: RelayRequest, send: Send, extra: list[tuple[bytes, bytes]]
+    relay: Relay,
+    request: RelayRequest,
+    send: Send,
+    extra: list[tuple[bytes, bytes]],
+    end: StreamEnd,
 ) -> None:
     watchdog = _StallWatch(relay.config.stall_timeout)
     try:
-        await _relay_stream(relay, request, send, extra, watchdog)
+        await _relay_stream(relay, request, send, extra, watchdog, end)
     except asyncio.CancelledError:
         if not watchdog.fired:
             raise
@@ -134,6 +159,7 @@ async def _relay_stream(
     send: Send,
     extra: list[tuple[bytes, bytes]],
     watchdog: _StallWatch,
+    end: StreamEnd,
 ) -> None:
     started = False
     loop = watchdog.loop
@@ -161,6 +187,8 @@ async def _relay_stream(
             await send({"type": "http.response.body", "body": body, "more_body": True})
             watchdog.blocked_since = None
             relay.delivered(request, len(body))
+            if not end.seen:  # (nothing to look for after the last event)
+                end.feed(body)
         if terminal is None:
             continue
         if terminal is CANCELLED:

@@ -176,7 +176,7 @@ async def _relay(relay: Relay, request: RelayRequest, receive: Receive, lines: _
                 elif event is CANCELLED:
                     return
             if end is None and reader.failed:
-                end = oldapi.error_line(oldapi.NO_FINISH)
+                end = oldapi.error_line(oldapi.BACKEND_FAILED)
             if end is not None:
                 out.append(end)
             try:
@@ -215,7 +215,7 @@ def _ending(completion: Completion, reader: oldapi.ChatStreamReader) -> tuple[li
     else:
         texts = reader.feed(completion.body) + reader.close()
     if reader.failed:
-        return texts, oldapi.error_line(oldapi.NO_FINISH)
+        return texts, oldapi.error_line(oldapi.BACKEND_FAILED)
     return texts, oldapi.done_line()
 
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 from channels.db import aclose_old_connections
@@ -26,10 +26,13 @@ from relay.core.ratelimit import client_address
 from relay.core.relay import Relay
 from relay.core.state import Worker
 from relay.server import runtime
+from relay.server.identities import Hold, Refused
 from relay.wire.errors import ProtocolError, describe
 from relay.wire.protocol import (
     Error,
     MetricsSample,
+    ModelResult,
+    ModelStates,
     ModelsUpdate,
     Pong,
     Register,
@@ -39,6 +42,9 @@ from relay.wire.protocol import (
     decode_worker_message,
     encode,
 )
+
+if TYPE_CHECKING:
+    from workers_app.models import Provider
 
 logger = logging.getLogger("relay.worker_socket")
 
@@ -138,6 +144,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     _audit: asyncio.Task[Any] | None = None
     _secret_hash: str = ""
     _eviction: int = 0
+    #: A worker with a credential of its own (SPEC §22): its identity's hold.
+    hold: Hold | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         """Read and dispatch frames in a plain loop.
@@ -196,38 +204,74 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         from relay.server.store import provider_policy
         from workers_app.models import Provider
 
-        provider = await Provider.objects.filter(name=self.provider_name).afirst()
-        if provider is None or not secret or not provider.check_secret(secret):
-            rt.throttle.failure(self.peer)
-            problem = (
-                f"unknown provider '{self.provider_name}'"
-                if provider is None
-                else "invalid worker secret"
-            )
-            logger.warning(
-                "worker auth failed: peer=%s provider=%s: %s",
-                self.peer,
-                self.provider_name,
-                problem,
-            )
-            await self._refuse(problem)
-            return
+        credential = headers.get("x-worker-credential")
+        if credential is not None:
+            wanted = query.get("provider")
+            provider = await self._check_in(credential, wanted[0] if wanted else None)
+            if provider is None:
+                return
+        else:
+            provider = await Provider.objects.filter(name=self.provider_name).afirst()
+            if provider is None or not secret or not provider.check_secret(secret):
+                rt.throttle.failure(self.peer)
+                problem = (
+                    f"unknown provider '{self.provider_name}'"
+                    if provider is None
+                    else "invalid worker secret"
+                )
+                logger.warning(
+                    "worker auth failed: peer=%s provider=%s: %s",
+                    self.peer,
+                    self.provider_name,
+                    problem,
+                )
+                await self._refuse(problem)
+                return
+            self._secret_hash = provider.secret_hash
+            self._eviction = provider.eviction
         rt.throttle.success(self.peer)
-        self._secret_hash = provider.secret_hash
-        self._eviction = provider.eviction
         if not provider.enabled:
             logger.warning("worker refused: provider %s is disabled", provider.name)
+            await self._let_go()
             await self._refuse(f"provider '{provider.name}' is disabled")
             return
         rt.relay.set_provider(provider_policy(provider, rt.config))
         await self.accept()
         rt.socket_opened()
         self.link = ConsumerLink(self, self._send_failed)
+        if self.hold is not None:
+            rt.identities.track(self.hold, self)
         self._register_timer = asyncio.get_running_loop().call_later(
             rt.config.register_timeout,
             self._violation,
             f"no register message within {rt.config.register_timeout:g}s",
         )
+
+    async def _check_in(self, credential: str, wanted: str | None) -> Provider | None:
+        """A worker with its own credential (SPEC §22): its provider once its identity is
+        held by this connection; None when refused (said, throttled, closed)."""
+        rt = runtime.current()
+        try:
+            self.hold = await rt.identities.check_in(credential, wanted, self.peer)
+        except Refused as exc:
+            rt.throttle.failure(self.peer)
+            logger.warning("worker auth failed: peer=%s: %s", self.peer, exc.reason)
+            await self._refuse(exc.reason)
+            return None
+        self.provider_name = self.hold.provider.name
+        return self.hold.provider
+
+    async def _let_go(self) -> None:
+        """Release this connection's hold on its identity, if it has one."""
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            await runtime.current().identities.release(hold)
+
+    def close_for(self, reason: str) -> None:
+        """Its identity was revoked, deleted or taken (:class:`relay.server.identities.
+        Identities`): close it with 1008."""
+        logger.warning("closing worker %s: %s", consumer_label(self), reason)
+        self._close(1008, reason)
 
     async def _refuse(self, reason: str) -> None:
         # Accept first: closing before accept would give the worker a bare HTTP 403
@@ -273,6 +317,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 relay.on_worker_error(worker, msg)
             case MetricsSample():
                 self._metrics(worker, msg)
+            case ModelStates():
+                relay.on_model_states(worker, msg)
+            case ModelResult():
+                relay.on_model_result(worker, msg)
             case Register():
                 self._violation("duplicate register")
 
@@ -307,8 +355,13 @@ class WorkerConsumer(AsyncWebsocketConsumer):
             peer=self.peer,
             protocol_version=version,
             features=msg.features,
+            model_states=msg.model_states,
+            model_capacity=msg.model_capacity,
         )
-        worker.eviction = self._eviction
+        if self.hold is not None:
+            worker.identity = self.hold.identity  # a provider secret rotation spares it
+        else:
+            worker.eviction = self._eviction
         worker.backend_error = msg.backend_error
         if rt.placement is not None:
             # Known to every process before it is acked: no process may then answer
@@ -325,7 +378,8 @@ class WorkerConsumer(AsyncWebsocketConsumer):
     async def _still_admitted(self) -> bool:
         """Check again, at register, that the secret this socket authenticated with is
         still the provider's: a rotate-and-disconnect that committed between the
-        handshake and the register must not let this worker in after its sweep."""
+        handshake and the register must not let this worker in after its sweep. A worker
+        with its own credential: that it was not revoked, nor its identity taken."""
         from workers_app.models import Provider
 
         row = (
@@ -336,6 +390,10 @@ class WorkerConsumer(AsyncWebsocketConsumer):
         problem = None
         if row is None:
             problem = f"unknown provider '{self.provider_name}'"
+        elif self.hold is not None:
+            problem = await runtime.current().identities.still_held(self.hold)
+            if problem is None and not row[1]:
+                problem = f"provider '{self.provider_name}' is disabled"
         elif row[0] != self._secret_hash:
             problem = "provider secret rotated"
         elif not row[1]:
@@ -389,6 +447,7 @@ class WorkerConsumer(AsyncWebsocketConsumer):
                 runtime.current().socket_closed()
         if worker is not None:
             await self._close_session(worker, reason)
+        await self._let_go()
         try:
             await aclose_old_connections()
         except Exception:

@@ -23,6 +23,7 @@ from modelrelay_site.servers import SERVERS
 from relay import __version__
 from relay.core.credentials import PREFIX_LEN
 from relay.server import control
+from workers_app.joining import release_holds
 from workers_app.models import WorkerSession
 from workers_app.services import (
     Bootstrap,
@@ -96,6 +97,10 @@ class Command(BaseCommand):
             settings.PROVIDER_NAME, settings.WORKER_SECRET, settings.DATA_DIR
         )
         stale = close_stale_sessions()
+        if settings.REDIS_TARGET is None:
+            # The only process: holds of joined workers left by one that was killed
+            # would refuse them until they lapse (WORKER_LEASE_SECS).
+            release_holds()
         pruned = WorkerSession.prune(settings.AUDIT_RETENTION_DAYS)
         if stale or pruned:
             logger.info("closed %d stale worker session(s), pruned %d old one(s)", stale, pruned)

@@ -1,17 +1,40 @@
 -- Admit one request of an API key under its limits (SPEC §13). Needs now.lua.
--- KEYS: live, slots, rate, day, month.
--- ARGV: process, lease ms, max_concurrent, requests/min, tokens/day, tokens/month (0: none).
+-- KEYS: live, slots, rate, day, month, reserved.
+-- ARGV: process, lease ms, max_concurrent, requests/min, tokens/day, tokens/month (0: none),
+-- tokens to reserve against the budgets.
 -- Returns {0, 0} when admitted, else {refusal (1 month, 2 day, 3 rate, 4 slots), retry ms}.
+-- Concurrency slots and reserved tokens are counted per process (hash fields): those of
+-- a process whose lease ran out do not count, and the field of one gone from live is
+-- deleted.
+local function held(key)
+  local fields = redis.call('HGETALL', key)
+  local total = 0
+  for i = 1, #fields, 2 do
+    local lease = redis.call('ZSCORE', KEYS[1], fields[i])
+    if not lease then
+      redis.call('HDEL', key, fields[i])
+    elseif tonumber(lease) >= now then
+      total = total + tonumber(fields[i + 1])
+    end
+  end
+  return total
+end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 if redis.call('PTTL', KEYS[1]) < 0 then
   redis.call('PEXPIRE', KEYS[1], 3600000)  -- (as beat.lua keeps it: never without an expiry)
 end
+local day_limit = tonumber(ARGV[5])
 local month_limit = tonumber(ARGV[6])
-if month_limit > 0 and tonumber(redis.call('GET', KEYS[5]) or '0') >= month_limit then
+local budgeted = day_limit > 0 or month_limit > 0
+-- What requests in flight may still cost counts as spent already.
+local reserved = 0
+if budgeted then
+  reserved = held(KEYS[6])
+end
+if month_limit > 0 and tonumber(redis.call('GET', KEYS[5]) or '0') + reserved >= month_limit then
   return {1, 0}
 end
-local day_limit = tonumber(ARGV[5])
-if day_limit > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') >= day_limit then
+if day_limit > 0 and tonumber(redis.call('GET', KEYS[4]) or '0') + reserved >= day_limit then
   return {2, 0}
 end
 local rate = tonumber(ARGV[4])
@@ -28,17 +51,7 @@ if rate > 0 then
 end
 local most = tonumber(ARGV[3])
 if most > 0 then
-  local held = redis.call('HGETALL', KEYS[2])
-  local total = 0
-  for i = 1, #held, 2 do
-    local lease = redis.call('ZSCORE', KEYS[1], held[i])
-    if not lease then
-      redis.call('HDEL', KEYS[2], held[i])
-    elseif tonumber(lease) >= now then
-      total = total + tonumber(held[i + 1])
-    end
-  end
-  if total >= most then
+  if held(KEYS[2]) >= most then
     return {4, 0}
   end
   redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
@@ -46,5 +59,10 @@ if most > 0 then
 end
 if rate > 0 then
   redis.call('SET', KEYS[3], string.format('%.3f', tat + interval), 'PX', 120000)
+end
+local reserve = tonumber(ARGV[7])
+if budgeted and reserve > 0 then
+  redis.call('HINCRBY', KEYS[6], ARGV[1], reserve)
+  redis.call('PEXPIRE', KEYS[6], 86400000)
 end
 return {0, 0}

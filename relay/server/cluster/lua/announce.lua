@@ -56,6 +56,23 @@ for _ = 1, count do
     i = i + 1
   end
   redis.call('PEXPIRE', wm, ttl)
+  -- Models on demand (SPEC §19): the models it holds without having them loaded (not
+  -- routed, but where a load may go), its model slots (0: no bound), how many it has
+  -- loaded or loading, and the model it could unload to make room ('' for none).
+  local wh = P .. ':wh:' .. wid
+  redis.call('DEL', wh)
+  local nheld = tonumber(ARGV[i])
+  i = i + 1
+  for _ = 1, nheld do
+    local hkey = P .. ':mh:' .. provider .. ':' .. ARGV[i]
+    redis.call('SADD', wh, ARGV[i])
+    redis.call('SADD', hkey, wid)
+    redis.call('PEXPIRE', hkey, ttl)
+    i = i + 1
+  end
+  redis.call('PEXPIRE', wh, ttl)
+  redis.call('HSET', wkey, 'mcap', ARGV[i], 'resident', ARGV[i + 1], 'idle', ARGV[i + 2])
+  i = i + 3
   local wanted = false
   for _, model in ipairs(redis.call('SMEMBERS', wm)) do
     if tonumber(redis.call('HGET', P .. ':qm:' .. provider, model) or '0') > 0 then

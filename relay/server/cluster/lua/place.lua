@@ -7,9 +7,10 @@ local origin, deadline = ARGV[7], tonumber(ARGV[8])
 local seq, max_queue, plain = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 local lane, weight = ARGV[12], tonumber(ARGV[13])
 local own_lease_ms, class = tonumber(ARGV[14]), ARGV[15]
--- Cache-aware routing (SPEC §14): the conversation's anchor ('' for none), the
--- bounded-load guard's factor and slack, and how long the conversation's worker is
--- remembered.
+-- Cache-aware routing (SPEC §14): the conversation's anchor ('' for none; hashed with
+-- the request's API key, so one key's conversations never name another's worker unless
+-- the relay shares prefixes across keys), the bounded-load guard's factor and slack,
+-- and how long the conversation's worker is remembered.
 local anchor, factor = ARGV[16] or '', tonumber(ARGV[17] or '1.25')
 local anchor_ttl = tonumber(ARGV[18] or '3600000')
 local slack = tonumber(ARGV[19] or '0')

@@ -78,16 +78,20 @@ local function charge(lane)
 end
 
 -- The highest class with a compatible entry goes first; inside a class, what was put
--- back first, then the keys in turn. An entry that waited ``aging`` ms per class counts
--- that many classes higher (its oldest compatible one per lane is looked at).
+-- back and what aged into it, by arrival, then the keys in turn. An entry that waited
+-- ``aging`` ms per class counts that many classes higher (its oldest compatible one per
+-- lane is looked at): nothing that arrived after it aged passes it.
 for rank = 1, #CLASSES do
   local class = CLASSES[rank]
+  local best, best_lane, best_seq = nil, nil, nil
   local found = oldest(class .. ':requeued')
   if found then
-    return take(class .. ':requeued', found)  -- it had its turn already: nothing is charged
+    best, best_lane = found, class .. ':requeued'
+    if aging > 0 then
+      best_seq = tonumber(redis.call('ZSCORE', P .. ':q:' .. provider, found[1])) or 0
+    end
   end
   if aging > 0 then
-    local best, best_lane, best_seq = nil, nil, nil
     for lower = rank + 1, #CLASSES do
       local lanes = redis.call('LRANGE', P .. ':qr:' .. provider .. ':' .. CLASSES[lower], 0, -1)
       table.insert(lanes, CLASSES[lower] .. ':requeued')
@@ -101,13 +105,13 @@ for rank = 1, #CLASSES do
         end
       end
     end
-    if best then
-      local result = take(best_lane, best)
-      if not requeued(best_lane) then
-        charge(best_lane)
-      end
-      return result
+  end
+  if best then
+    local result = take(best_lane, best)
+    if not requeued(best_lane) then
+      charge(best_lane)  -- (one put back had its turn already: nothing is charged)
     end
+    return result
   end
   local ring = P .. ':qr:' .. provider .. ':' .. class
   for _, lane in ipairs(redis.call('LRANGE', ring, 0, -1)) do

@@ -1,5 +1,6 @@
--- provider -> models served by the live workers of every live process; dead processes
--- leave the process list here.
+-- provider, model, loaded ('1', or '0' for a model a worker holds without having it loaded:
+-- models on demand) for the live workers of every live process; dead processes leave the
+-- process list here.
 local P = ARGV[1]
 local out = {}
 for _, inst in ipairs(redis.call('SMEMBERS', P .. ':procs')) do
@@ -12,6 +13,12 @@ for _, inst in ipairs(redis.call('SMEMBERS', P .. ':procs')) do
         for _, model in ipairs(redis.call('SMEMBERS', P .. ':wm:' .. wid)) do
           table.insert(out, provider)
           table.insert(out, model)
+          table.insert(out, '1')
+        end
+        for _, model in ipairs(redis.call('SMEMBERS', P .. ':wh:' .. wid)) do
+          table.insert(out, provider)
+          table.insert(out, model)
+          table.insert(out, '0')
         end
       end
     end
