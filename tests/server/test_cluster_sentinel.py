@@ -33,8 +33,10 @@ from relay.server.cluster.redissource import MasterUnknown, RedisSource
 from tests.batchkit import jsonl, line
 from tests.clusterkit import AUTH, CHAT, cluster, knows, private_redis, until
 from tests.live import ROOT, LiveServer
+from tests.rawworker import closed, register
 from tests.scriptedworker import ScriptedWorker
 from tests.sentinelkit import SentinelSet, free_ports, names_on, sentinel_set, wait_for
+from tests.server.test_cluster_joining import join, joined_socket
 
 pytestmark = [pytest.mark.live, pytest.mark.redis]
 
@@ -309,6 +311,29 @@ async def test_an_order_whose_message_was_lost_is_read_back_from_redis(
                 node.pexpire(key, 60_000)
                 await asyncio.to_thread(a.wait_for_log, f"draining raw ({worker.worker_id})")
                 await until(lambda: _true(not node.exists(key)), 5, "the order to be taken")
+
+
+async def test_a_process_starting_on_sentinel_leaves_joined_workers_holds_alone(
+    relay_server_factory, sentinels
+):
+    """A process found the cluster through the sentinels (no ``REDIS_URL``): when it
+    starts it is not the only process, so it lets go of no joined worker's hold, and
+    refuses an identity another process's connection holds."""
+    with cluster(relay_server_factory, 2, **sentinels.env, **FAST) as (a, b):
+        b.stop()
+        joined = await join(a, "box-1")
+        held = await joined_socket(a, joined["credential"])
+        try:
+            await register(held)
+            await asyncio.to_thread(b.start)
+            async with await joined_socket(b, joined["credential"]) as thief:
+                assert await closed(thief) == (
+                    1008,
+                    f"worker 'box-1' (#{joined['worker_id']}) is connected already",
+                )
+            assert held.close_code is None
+        finally:
+            await held.close()
 
 
 async def test_a_demoted_master_replying_readonly_counts_as_a_lost_connection(sentinels):
