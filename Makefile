@@ -44,17 +44,16 @@ valkey: $(VENV)/.dev
 wrk:
 	@scripts/install-deb.sh wrk wrk "make bench cannot run without it"
 
-# The ORM and end-to-end tests run a second time against PostgreSQL (127.0.0.1:5432,
-# database "test"); without a reachable server that pass is skipped, except in CI.
-# (The cluster routing and limits tests run once: what they test lives in Redis.)
+# The tests whose outcome can depend on the database run a second time against
+# PostgreSQL (127.0.0.1:5432, database "test"): the ORM, the request log and its sums,
+# audit rows, batch claims, file chunks and locks, joined workers, and two processes on one
+# database. Without a reachable server that pass is skipped, except in CI. (The cluster
+# routing and limits tests run once: what they test lives in Redis.)
 PG_URL ?= postgres://postgres@127.0.0.1:5432/test
-PG_TESTS := tests/server/test_worker_socket.py tests/server/test_http_api.py tests/test_keys.py \
-	tests/server/test_admin_api.py tests/test_commands.py tests/server/test_live_relay.py \
-	tests/server/test_cluster.py tests/test_e2e.py tests/pages/test_pages.py \
-	tests/server/test_failures.py tests/server/test_security.py \
-	tests/server/test_security_edges.py tests/server/test_worker_trust.py \
-	tests/server/test_bookkeeper.py \
-	tests/server/test_fair_share.py tests/server/test_live_limits.py \
+PG_TESTS := tests/server/test_worker_socket.py tests/test_keys.py \
+	tests/server/test_admin_api.py tests/test_commands.py \
+	tests/server/test_cluster.py tests/pages/test_pages.py \
+	tests/server/test_bookkeeper.py tests/server/test_live_limits.py \
 	tests/server/test_batches_api.py \
 	tests/server/test_message_batches.py tests/server/test_batch_claims.py \
 	tests/test_batches_e2e.py tests/server/test_edge_admission.py \
@@ -67,12 +66,17 @@ UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures
 	tests/server/test_live_legacy_nodes.py tests/server/test_live_oldapi.py \
 	tests/server/test_live_limits.py tests/test_batches_e2e.py
 
+# Each pass runs on TEST_WORKERS processes (pytest-xdist; a test file stays in one, so
+# the module-scoped servers are shared): 2 uses both cores of the usual machine.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.dev browser nginx caddy promtool valkey
-	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(PYTEST_ARGS)
+	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_DATABASE=postgres DATABASE_URL=$(PG_URL) \
-		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(PG_TESTS)
+		$(PY) -m pytest -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) $(PG_TESTS)
 	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_SERVER=uvicorn \
-		$(PY) -m pytest -p no:cacheprovider $(PYTEST_ARGS) $(UVICORN_TESTS)
+		$(PY) -m pytest -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) $(UVICORN_TESTS)
 
 lint: $(VENV)/.dev
 	$(VENV)/bin/ruff check .

@@ -173,8 +173,10 @@ class BatchEngine:
             lease_secs=max(config.claim, 1.0),
             max_request_bytes=self.relay.config.max_request_bytes,
         )
-        known = frozenset(self.relay.routable_models())
         for _ in range(8):
+            # Read for each batch, as late as possible: a worker that registered a moment
+            # ago (the relay just started) must not have its models judged unknown.
+            known = frozenset(self.relay.routable_models())
             name = await self.db.run(
                 lifecycle.validate_next, self._token(), known, limits, self.checker
             )
