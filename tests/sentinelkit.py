@@ -5,17 +5,21 @@ restart at will (``redis-server --sentinel``; Valkey's ``valkey-server`` the sam
 Timings are shrunk through the sentinels' configuration (a master unanswered for
 :data:`DOWN_AFTER_MS` is down, a failover may take :data:`FAILOVER_TIMEOUT_MS`); waits
 poll a predicate with a bound, never the clock. Ports are free ones, or taken from
-``RELAY_TEST_REDIS_PORTS`` (``first-last``) when the machine reserves a range for them.
+``RELAY_TEST_REDIS_PORTS`` (``first-last``) when the machine reserves a range for them:
+then each port is claimed with a lock file for as long as the test process lives, so
+that the processes of one run (pytest-xdist) never pick the same one.
 The chaos scenario (``chaos/cluster.py``) uses the same set.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +42,8 @@ FAILOVER_TIMEOUT_MS = 3000
 FAILOVER_SECS = 20.0
 
 _ports_taken: set[int] = set()
+#: The lock files of the ports this process claimed from the range (held until it exits).
+_claims: list[int] = []
 
 
 def _port_range() -> Iterator[int] | None:
@@ -63,9 +69,24 @@ def free_ports(count: int) -> list[int]:
                 raise RuntimeError("RELAY_TEST_REDIS_PORTS has too few free ports")
         if port in _ports_taken or port in found or _listening(port):
             continue
+        if candidates is not None and not _claim(port):
+            continue  # another test process has it
         found.append(port)
     _ports_taken.update(found)
     return found
+
+
+def _claim(port: int) -> bool:
+    """Whether this process now holds ``port`` (no other process of the machine does)."""
+    path = os.path.join(tempfile.gettempdir(), f"modelrelay-test-port-{port}.lock")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _claims.append(fd)
+    return True
 
 
 def _listening(port: int) -> bool:

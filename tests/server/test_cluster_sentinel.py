@@ -481,6 +481,47 @@ def test_the_kit_waits_for_a_promoted_master(sentinels):
     assert wait_for(lambda: sentinels.writable(sentinels.master()), 5, "a writable master")
 
 
+_PICK = """
+import sys
+from tests.sentinelkit import free_ports
+print(" ".join(map(str, free_ports(3))), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_kit_gives_each_test_process_ports_of_its_own():
+    """(The kit itself: two test processes of one run, as pytest-xdist starts them, pick
+    from the same ``RELAY_TEST_REDIS_PORTS`` at once; each holds its ports until it ends,
+    so none is picked twice.)"""
+    span = os.environ.get("RELAY_TEST_REDIS_PORTS")
+    if not span:
+        (first,) = free_ports(1)
+        first = min(first, 65_000)
+        span = f"{first}-{first + 49}"
+    env = {**os.environ, "RELAY_TEST_REDIS_PORTS": span}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PICK],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        picked = []
+        for child in children:
+            assert child.stdout is not None
+            picked.append(set(child.stdout.readline().split()))
+    finally:
+        for child in children:
+            child.communicate("", timeout=30)
+    assert all(len(ports) == 3 for ports in picked), picked
+    assert not picked[0] & picked[1], picked
+
+
 async def test_valkey_behind_sentinel_is_a_drop_in(relay_server_factory, tmp_path):
     """The same with Valkey's server and sentinels (``make valkey`` installs one;
     skipped, saying so, without it): found at start, followed through a failover."""
