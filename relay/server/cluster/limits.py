@@ -63,6 +63,9 @@ logger = logging.getLogger("relay.limits")
 
 #: While Redis does not answer, a heartbeat tries again this often.
 RETRY_SECS = 0.5
+#: Heartbeats sent at once, when Redis answers again, for the admissions by share made
+#: while the one before was on its way.
+CATCH_UP_BEATS = 3
 #: A process gone this long is forgotten (its slot fields deleted).
 FORGET_MS = 3_600_000
 #: Token charges kept for retry while Redis is unreachable (beyond: dropped, logged).
@@ -362,10 +365,11 @@ class RedisLimitStore:
         # Redis held less for this process than it gave back (it lost some): re-assert.
         self._repair.update(entry[0] for entry, short in zip(batch, shorts, strict=True) if short)
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, catch_up: int = CATCH_UP_BEATS) -> None:
         """Renew this process's lease, learn the processes holding one (the shares), and
         re-assert, in the same script, this process's slot and reservation counts for
-        the keys to repair (each hash's expiry set with its write)."""
+        the keys to repair (each hash's expiry set with its write). When Redis answers
+        again, admissions go through it only once it counts all of this process's."""
         repair, self._repair = self._repair, set()
         switched, self._switched = self._switched, False
         keys = [self._key("live")]
@@ -395,6 +399,13 @@ class RedisLimitStore:
                 for entry in self._pending[:settled]
             ]
         self.share.peers = frozenset(peers)
+        if self.down and self._repair and catch_up:
+            # Redis answers again, but this beat carried the counts of when it was sent,
+            # maybe a timeout ago: what was admitted by share since is not in them, and
+            # Redis would admit on counts short of it. Once more, before it decides alone.
+            self._switched |= switched or bool(int(lost))  # (recovered after that beat)
+            await self._heartbeat(catch_up - 1)
+            return
         if self.down:
             self.down = False
             logger.warning("limit store: Redis answers again; admitting through it")
