@@ -28,6 +28,7 @@ from bench import (
     limits,
     ondemand,
     peers,
+    resume,
     scenarios,
     targets,
 )
@@ -84,6 +85,10 @@ def settings(quick: bool) -> dict[str, Any]:
             "l_rounds": 3,
             "l_workers": 100,
             "l_series": 1_000,
+            **RESUME,
+            "o_reattaches": 2,
+            "o_retained": 300,
+            "o_cost_rounds": 3,
         }
     return {
         "a_seconds": 10,
@@ -122,7 +127,23 @@ def settings(quick: bool) -> dict[str, Any]:
         "l_rounds": 5,
         "l_workers": 100,
         "l_series": 1_000,
+        **RESUME,
     }
+
+
+#: (o) resumable streams (bench/resume.py).
+RESUME: dict[str, Any] = {
+    "o_events": 2000,
+    "o_drop_at": 500,
+    "o_token_delay": 0.002,
+    "o_reattaches": 5,
+    "o_retained": 1000,
+    "o_retained_kib": 100,
+    "o_bound_mib": 64,
+    "o_cost_streams": 200,
+    "o_cost_chunks": 100,
+    "o_cost_rounds": 7,
+}
 
 
 #: (k) cache-aware routing: the workload and the caching fake backends (bench/affinity.py).
@@ -393,6 +414,9 @@ class Campaign:
         if "l" in only:
             self.log("fleet observability (tracing off and on, federation of 100 workers):")
             self.res["fleet"] = fleet.run(self.s, self.log)
+        if "o" in only:
+            self.log("streams that survive a dropped connection (background mode, replay):")
+            self.res["resume"] = resume.run(self.procs, self.workdir, self.s, self.log)
         if "p" in only:
             self.log("ModelRelay cluster on a Redis watched by Sentinel:")
             self.res["failover"] = failover.run(

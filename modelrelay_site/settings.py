@@ -284,6 +284,13 @@ STALL_TIMEOUT_SECS = env_float("STALL_TIMEOUT_SECS", 60.0)
 # A streaming client that leaves after the stream's last event ([DONE], message_stop,
 # response.completed) does not cancel it: its completion and usage are waited for this long.
 STREAM_END_GRACE_SECS = env_float("STREAM_END_GRACE_SECS", 5.0, positive=False)
+# Responses that outlive their client (SPEC §18: background mode, X-Conversation-Id): kept
+# this long after they end, at most this many bytes each and in all (this process's),
+# and at most this many per API key.
+STREAM_RETAIN_SECS = env_float("STREAM_RETAIN_SECS", 600.0)
+STREAM_RETAIN_BYTES = env_int("STREAM_RETAIN_BYTES", 8 * MIB, minimum=1024)
+STREAM_RETAIN_TOTAL_BYTES = env_int("STREAM_RETAIN_TOTAL_BYTES", 256 * MIB, minimum=1024)
+STREAM_RETAIN_PER_KEY = env_int("STREAM_RETAIN_PER_KEY", 256, minimum=1)
 # The routes forwarded to workers by the body's model (relay/core/routes.py):
 # "default", "/path", "/path=anthropic", "-/path". Checked here so a typo stops the start.
 RELAY_ROUTES = env_list("RELAY_ROUTES", [])

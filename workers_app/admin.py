@@ -163,7 +163,15 @@ class RequestLogAdmin(ReadOnlyAdmin):
         "duration",
         "tokens",
     )
-    list_filter = ("outcome", "streamed", "endpoint", "provider", "status", "service_class")
+    list_filter = (
+        "outcome",
+        "streamed",
+        "endpoint",
+        "provider",
+        "status",
+        "service_class",
+        "resumable",
+    )
     # Searching by key name or prefix shows one key's requests and its refusals
     # (outcomes such as over_daily_budget or over_concurrency, SPEC §13).
     search_fields = (

@@ -216,6 +216,9 @@ class RequestLog(models.Model):
     cancel_reason = models.CharField(max_length=32, blank=True)
     service_class = models.CharField(max_length=16, default="default")
     preemptions = models.PositiveSmallIntegerField(default=0)
+    #: Its response outlived its client (SPEC §18): "background" (Responses background
+    #: mode), "replay" (llama.cpp's X-Conversation-Id), or blank.
+    resumable = models.CharField(max_length=16, blank=True, default="")
     created_at = models.DateTimeField(db_index=True)
 
     class Meta:

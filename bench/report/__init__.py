@@ -11,6 +11,7 @@
 - :mod:`bench.report.affinity`: (k) cache-aware routing;
 - :mod:`bench.report.fleet`: (l) fleet observability (tracing, federation);
 - :mod:`bench.report.ondemand`: (m) models on demand;
+- :mod:`bench.report.resume`: (o) streams that survive a dropped connection;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
 - :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.
@@ -29,6 +30,7 @@ from bench.report import (
     goals,
     ondemand,
     ratios,
+    resume,
     sections,
 )
 
@@ -59,6 +61,7 @@ def tables(res: dict[str, Any]) -> str:
         affinity.affinity(res),
         fleet.fleet(res),
         ondemand.ondemand(res),
+        resume.resume(res),
         cluster.failover(res),
     ]
     return "\n".join(line for part in parts for line in part)

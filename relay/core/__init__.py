@@ -12,7 +12,10 @@ themselves in ``modelplan``),
 the frames that come from workers), ``config``, ``stats``, ``timeline`` and
 ``snapshot`` (read-only views), ``keycache``, ``credentials`` and ``ratelimit``;
 ``limits`` (per-key limits and admission), ``limitstore`` (their counters in memory)
-and ``keystats`` (who is using the pool).
+and ``keystats`` (who is using the pool); ``streamlog`` (the log of a response that
+outlives its client, and what stores of them offer), ``streamstore`` (those logs in
+memory), ``keeper`` (the pumps that write them) and ``background`` (Responses background
+mode's events and response object).
 
 May import: :mod:`relay.wire` and the standard library; never Django, Channels or
 asgiref, nor :mod:`relay.server`, :mod:`relay.pages` or :mod:`relay.worker`.

@@ -63,8 +63,9 @@ class ClusterSide:
         state = self.providers.get(request.provider)
         if state is not None:
             state.queue.remove(request)
-        if worker.remote:
-            request.relay_role = "origin"
+        # (Reset on each placement: one placed elsewhere, then requeued and placed
+        # here, is this process's to serve, and its resumable log's to write.)
+        request.relay_role = "origin" if worker.remote else ""
         self._assign(request, worker, self.loop.time())
         return True
 

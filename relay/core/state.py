@@ -100,6 +100,8 @@ class RelayRequest:
         "rank",
         "relay_role",
         "requeues",
+        "resume",
+        "resume_key",
         "seq",
         "service_class",
         "status",
@@ -207,6 +209,11 @@ class RelayRequest:
         #: Models on demand (SPEC §19): it waited in the queue for its model to be
         #: loaded (its queue deadline is then MODEL_LOAD_TIMEOUT_SECS's).
         self.awaits_load = False
+        #: Resumable responses (SPEC §18): "background" or "replay" when its response
+        #: outlives its client (its log is written as it runs), else "".
+        self.resume = ""
+        #: Cluster mode: "<gen> <owner> <id>" of its log, for the worker's process.
+        self.resume_key = ""
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -265,6 +272,7 @@ class RelayRequest:
             relay_role=self.relay_role,
             service_class=self.service_class,
             preemptions=self.preemptions,
+            resume=self.resume,
         )
 
     def __repr__(self) -> str:

@@ -45,6 +45,8 @@ class RequestRecord:
     cached_tokens: int | None = None
     #: The tokens are the worker's estimate: the backend reported no usage.
     tokens_estimated: bool = False
+    #: Its response outlived its client (SPEC §18): "background", "replay" or "".
+    resume: str = ""
 
     @classmethod
     def rejected(

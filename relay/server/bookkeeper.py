@@ -182,6 +182,7 @@ _LOG_COLUMNS = (
     "cancel_reason",
     "service_class",
     "preemptions",
+    "resumable",
     "created_at",
 )
 
@@ -222,6 +223,7 @@ def write_request_log(batch: list[RequestRecord]) -> None:
             r.cancel_reason or "",
             r.service_class,
             min(r.preemptions, 32767),
+            r.resume,
             stamp(r.created_at),
         )
         for r in batch

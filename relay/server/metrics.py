@@ -27,6 +27,7 @@ from relay.core.stats import RequestRecord
 
 KeyRows = Callable[[], list[dict[str, Any]]]
 BatchCounts = Callable[[], dict[str, Any]]
+StreamCounts = Callable[[], dict[str, Any]]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -39,11 +40,13 @@ class RelayCollector(Collector):
         cluster: Callable[[], dict[str, Any]] | None = None,
         key_rows: KeyRows | None = None,
         batch_counts: BatchCounts | None = None,
+        stream_counts: StreamCounts | None = None,
     ) -> None:
         self.relay = relay
         self.cluster = cluster
         self.key_rows = key_rows
         self.batch_counts = batch_counts
+        self.stream_counts = stream_counts
 
     def collect(self) -> Iterator[Metric]:
         relay = self.relay
@@ -189,6 +192,8 @@ class RelayCollector(Collector):
             yield from key_metrics(self.key_rows())
         if self.batch_counts is not None:
             yield from batch_metrics(self.batch_counts())
+        if self.stream_counts is not None:
+            yield from stream_metrics(self.stream_counts())
 
 
 def routing_metrics(router: Router) -> Iterator[Metric]:
@@ -314,6 +319,60 @@ def batch_metrics(counts: dict[str, Any]) -> Iterator[Metric]:
     yield batches
 
 
+def stream_metrics(counts: dict[str, Any]) -> Iterator[Metric]:
+    """Resumable responses (SPEC §18): what is retained here, and what clients did."""
+    gauges = (
+        (
+            "modelrelay_streams_retained",
+            "Resumable responses retained (cluster mode: the logs this process wrote).",
+            counts["retained"],
+        ),
+        ("modelrelay_streams_running", "Resumable responses still running.", counts["running"]),
+        (
+            "modelrelay_streams_retained_bytes",
+            "Bytes the retained responses hold (STREAM_RETAIN_TOTAL_BYTES bounds it).",
+            counts["bytes"],
+        ),
+    )
+    for name, documentation, value in gauges:
+        yield GaugeMetricFamily(name, documentation, value=value)
+    totals = (
+        ("modelrelay_streams_started", "Resumable responses started here.", "started"),
+        (
+            "modelrelay_stream_reattaches",
+            "Clients that reattached to a resumable response here.",
+            "reattaches",
+        ),
+        (
+            "modelrelay_stream_replayed_bytes",
+            "Bytes sent here to clients that reattached.",
+            "replayed_bytes",
+        ),
+        (
+            "modelrelay_streams_evicted",
+            "Ended responses whose logs were dropped to stay within the total bound.",
+            "evicted",
+        ),
+        (
+            "modelrelay_stream_records_trimmed",
+            "Records dropped from a log to keep it within STREAM_RETAIN_BYTES.",
+            "trimmed",
+        ),
+        (
+            "modelrelay_streams_refused",
+            "Resumable requests refused: their key held STREAM_RETAIN_PER_KEY running ones.",
+            "refused",
+        ),
+        (
+            "modelrelay_stream_cancels",
+            "Running resumable responses stopped by a cancel or delete asked here.",
+            "cancels",
+        ),
+    )
+    for name, documentation, field in totals:
+        yield CounterMetricFamily(name, documentation, value=counts[field])
+
+
 def key_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
     """Per-key series; keys that share a name are summed under it."""
     running: Counter[str] = Counter()
@@ -372,9 +431,12 @@ class RelayMetrics:
         *,
         key_rows: KeyRows | None = None,
         batch_counts: BatchCounts | None = None,
+        stream_counts: StreamCounts | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.collector = RelayCollector(relay, key_rows=key_rows, batch_counts=batch_counts)
+        self.collector = RelayCollector(
+            relay, key_rows=key_rows, batch_counts=batch_counts, stream_counts=stream_counts
+        )
         self.registry.register(self.collector)
         self.duration = Histogram(
             "modelrelay_request_duration_seconds",

@@ -21,6 +21,7 @@ from django.conf import settings
 from relay.core import classes, providers, snapshot
 from relay.core.affinity import AffinityConfig
 from relay.core.config import RelayConfig
+from relay.core.keeper import StreamKeeper
 from relay.core.keycache import KeyCache
 from relay.core.keystats import KeyStats, key_name, key_rows
 from relay.core.limits import NO_LIMITS, KeyLimits, Limiter, LimitStore, Ticket
@@ -28,6 +29,8 @@ from relay.core.limitstore import MemoryLimitStore
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
+from relay.core.streamlog import Bounds, StreamStore
+from relay.core.streamstore import MemoryStreams
 from relay.server import store
 from relay.server.accesslog import AccessLog
 from relay.server.batches.engine import BatchEngine
@@ -38,6 +41,7 @@ from relay.server.cluster.limits import RedisLimitStore
 from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
 from relay.server.cluster.redissource import RedisSource
+from relay.server.cluster.streamstore import RedisStreams
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
 from relay.server.identities import Identities
@@ -53,6 +57,8 @@ logger = logging.getLogger("relay.runtime")
 SECRET_ROTATED = providers.SECRET_ROTATED
 #: How long a stopping runtime waits for its background tasks to end.
 STOP_TASKS_SECS = 5.0
+#: Retained streams that expired are forgotten at least this often.
+SWEEP_SECS = 10.0
 
 
 def relay_config() -> RelayConfig:
@@ -100,6 +106,16 @@ def relay_config() -> RelayConfig:
     )
 
 
+def stream_bounds() -> Bounds:
+    s = settings
+    return Bounds(
+        retain_secs=s.STREAM_RETAIN_SECS,
+        max_bytes=s.STREAM_RETAIN_BYTES,
+        total_bytes=s.STREAM_RETAIN_TOTAL_BYTES,
+        per_key=s.STREAM_RETAIN_PER_KEY,
+    )
+
+
 class Runtime:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -141,10 +157,25 @@ class Runtime:
             self.limit_store = MemoryLimitStore()
         self.limiter = Limiter(self.limit_store)
         self.key_stats = KeyStats()
+        #: Resumable responses (SPEC §18): their logs and the pumps that write them (in
+        #: cluster mode the logs are in Redis, where every process reads them).
+        kept: StreamStore = MemoryStreams(stream_bounds())
+        if settings.REDIS_URL:
+            kept = RedisStreams(
+                settings.REDIS_URL,
+                settings.REDIS_PREFIX,
+                self.relay.instance,
+                stream_bounds(),
+                running_ttl=settings.REQUEST_TIMEOUT_SECS,
+            )
+        self.streams = StreamKeeper(self.relay, kept, broadcast=self._stream_cancel)
         #: Batches (SPEC §16): runs the lines of batches on idle capacity.
         self.batches = BatchEngine(self)
         self.metrics = RelayMetrics(
-            self.relay, key_rows=self._key_rows_now, batch_counts=self.batches.counts
+            self.relay,
+            key_rows=self._key_rows_now,
+            batch_counts=self.batches.counts,
+            stream_counts=self.streams.describe,
         )
         self.relay.observers.extend(
             [
@@ -181,6 +212,7 @@ class Runtime:
             loop.create_task(self._sync_loop()),
             loop.create_task(self.bookkeeper.run()),
             self._batch_task,
+            loop.create_task(self.streams.run(min(settings.STREAM_RETAIN_SECS, SWEEP_SECS))),
         ]
         if isinstance(self.limit_store, RedisLimitStore):
             self._tasks.append(loop.create_task(self.limit_store.run()))
@@ -191,7 +223,13 @@ class Runtime:
         if self.redis is not None:
             # Sentinel: where the master is, asked every tick (a switch is noticed then).
             self._tasks.append(loop.create_task(self.redis.watch(settings.CLUSTER_TICK_SECS)))
-            self.cluster = Cluster(self.relay, self.redis, settings.REDIS_PREFIX, on_sync=self.poke)
+            self.cluster = Cluster(
+                self.relay,
+                self.redis,
+                settings.REDIS_PREFIX,
+                on_sync=self.poke,
+                on_stream_cancel=self.streams.cancel_here,
+            )
             self._tasks.append(loop.create_task(self.cluster.run()))
             self.placement = RedisPlacement(
                 self.relay,
@@ -206,6 +244,17 @@ class Runtime:
             self._tasks.append(loop.create_task(self.placement.run()))
             if settings.CLUSTER_ADVERTISE_URL:
                 self.placement.listening(settings.CLUSTER_ADVERTISE_URL)
+
+    async def _stream_cancel(self, owner: int | None, stream: str) -> None:
+        """Cluster mode: ask every process to stop a resumable response (its log is
+        marked as well, which its writer reads at its next append: a lost notice only
+        delays the stop)."""
+        if self.cluster is None:
+            return
+        try:
+            await self.cluster.broadcast_stream_cancel(owner, stream)
+        except CLUSTER_TROUBLE as exc:
+            logger.warning("could not tell the other processes to stop %s: %s", stream, exc)
 
     def listening(self, host: str, port: int) -> None:
         """The server listens on ``host:port``: in cluster mode, the other processes
@@ -439,6 +488,7 @@ class Runtime:
         if self.redis is not None:
             await self.redis.aclose()
         self.federation.close()
+        await self.streams.aclose()
         await self.relay.aclose()
 
 

@@ -11,17 +11,20 @@ Hierarchy::
     │   ├── ModelNotAllowed         (403, the API key may not use the model)
     │   ├── ModelNotFound           (404)
     │   ├── NotFound                (404, a path the relay does not serve)
+    │   │   └── StreamNotFound      (404, no retained response of that id for this key)
     │   ├── MethodNotAllowed        (405, with Allow)
     │   ├── PayloadTooLarge         (413)
     │   │   └── FileBytesExceeded   (a key's stored files would pass their bytes)
     │   ├── UpgradeRequired         (426)
+    │   ├── StreamGone              (410, a replay needs bytes the bounds dropped)
     │   ├── UnsupportedMediaType    (415)
     │   ├── QueueFull               (429)
     │   ├── RateLimited             (429, an API key's limit; with Retry-After)
     │   │   ├── ConcurrencyLimited
     │   │   ├── RequestRateLimited
     │   │   ├── BatchLinesExceeded  (too many of the key's batch lines waiting)
-    │   │   └── FileCountExceeded   (the key keeps as many files as it may)
+    │   │   ├── FileCountExceeded   (the key keeps as many files as it may)
+    │   │   └── StreamsExceeded     (the key holds as many resumable responses as it may)
     │   ├── QuotaExceeded           (429, an API key's token budget; with Retry-After)
     │   │   ├── DailyQuotaExceeded
     │   │   └── MonthlyQuotaExceeded
@@ -34,6 +37,7 @@ Hierarchy::
     │   ├── WorkerLost
     │   ├── WorkerUnavailable       (cluster: placed again by the client's process)
     │   ├── ModelLoadFailed         (no worker could load the model)
+    │   ├── StreamsUnavailable      (resumable responses cannot be kept or read now)
     │   └── ShuttingDown
     ├── GatewayTimeout              (504)
     │   ├── QueueTimeout
@@ -156,6 +160,23 @@ class NotFound(ClientError):
     default_message = "Not found"
 
 
+class StreamNotFound(NotFound):
+    """No resumable response of that id is retained for the caller's key (never
+    created, expired, deleted, or another key's: they all look the same)."""
+
+    code = "stream_not_found"
+    default_message = "Stream not found or expired"
+
+
+class StreamGone(ClientError):
+    """A replay asked for bytes (or events) of a retained response that its bounds
+    already dropped (STREAM_RETAIN_BYTES, STREAM_RETAIN_TOTAL_BYTES)."""
+
+    status = 410
+    code = "stream_offset_lost"
+    default_message = "The relay no longer holds that part of the stream; start again"
+
+
 class UpgradeRequired(ClientError):
     """Plain HTTP on a worker's WebSocket endpoint."""
 
@@ -254,6 +275,21 @@ class FileCountExceeded(RateLimited):
             f"At most {limit} files may be kept for this API key; delete some before "
             "uploading another",
             retry_after=60,
+        )
+
+
+class StreamsExceeded(RateLimited):
+    """A new resumable response would leave the key with more running ones than
+    STREAM_RETAIN_PER_KEY allows (ended ones make room by themselves)."""
+
+    code = "streams_exceeded"
+    outcome = "over_stream_limit"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"This API key already holds {limit} resumable responses that are running; "
+            "retry when one has ended",
+            retry_after=5,
         )
 
 
@@ -362,6 +398,14 @@ class ModelLoadFailed(ServiceUnavailable):
 
     def __init__(self, model: str) -> None:
         super().__init__(f"Model '{_shown(model)}' could not be loaded on any worker")
+
+
+class StreamsUnavailable(ServiceUnavailable):
+    """Cluster mode: the store of resumable responses (Redis) cannot be reached."""
+
+    code = "streams_unavailable"
+    default_message = "Resumable responses cannot be kept or read right now, please retry"
+    outcome = "streams_unavailable"
 
 
 class ShuttingDown(ServiceUnavailable):

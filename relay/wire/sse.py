@@ -161,3 +161,70 @@ class StreamEnd:
         elif tail:
             self._tail = b""
         return False
+
+
+class EventSplitter:
+    """Whole server-sent events out of a stream's bytes, however its reads cut it.
+
+    Lines may end with CRLF, LF or CR (the WHATWG ``text/event-stream`` rules), in any
+    mix; a blank line ends an event. Each event comes out with its lines' endings made
+    LF and without its closing blank line (a CR last in a read ends its line at once;
+    an LF first in the next read is then the rest of that CRLF). The cost is linear in
+    the bytes fed: an event's pieces are kept apart until a read completes it, and only
+    new bytes are searched for its end.
+    """
+
+    __slots__ = ("_cr", "_parts")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._cr = False
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """The events ``data`` completes, in order."""
+        if not data:
+            return []
+        if self._cr and data.startswith(b"\n"):
+            data = data[1:]
+            if not data:
+                return []
+        self._cr = data.endswith(b"\r")
+        if b"\r" in data:
+            data = data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        parts = self._parts
+        # A blank line's two LFs may straddle what was pending and what came.
+        if parts and parts[-1].endswith(b"\n") and data.startswith(b"\n"):
+            first = parts[-1][:-1] if len(parts) > 1 or len(parts[-1]) > 1 else b""
+            parts[-1] = first
+            at, start = 0, 1
+        else:
+            at = data.find(b"\n\n")
+            if at < 0:
+                parts.append(data)
+                return []
+            start = at + 2
+        # The first event ends in ``data``: joined once (no earlier part holds an end).
+        events: list[bytes] = []
+        first_event = b"".join([*parts, data[:at]]) if parts else data[:at]
+        self._add(events, first_event)
+        at = data.find(b"\n\n", start)
+        while at >= 0:
+            self._add(events, data[start:at])
+            start = at + 2
+            at = data.find(b"\n\n", start)
+        rest = data[start:]
+        self._parts = [rest] if rest else []
+        return events
+
+    @staticmethod
+    def _add(events: list[bytes], event: bytes) -> None:
+        event = event.lstrip(b"\n")
+        if event:
+            events.append(event)
+
+    def rest(self) -> bytes:
+        """What was fed after the last whole event (a stream cut inside one)."""
+        rest = b"".join(self._parts)
+        self._parts = []
+        self._cr = False
+        return rest.strip(b"\n")

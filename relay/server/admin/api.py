@@ -27,6 +27,7 @@ from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
 from relay.server.cluster.control import ClusterUnreachable
 from relay.server.cluster.limits import RedisLimitStore
+from relay.server.cluster.streamstore import RedisStreams
 from workers_app.joining import (
     MAX_TTL_SECS,
     MAX_USES,
@@ -195,6 +196,9 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
     if isinstance(rt.limit_store, RedisLimitStore):
         # Admitted within this process's share while Redis could not answer.
         document["limits"]["by_share"] = rt.limit_store.fallbacks
+    # Resumable responses (SPEC §18): this process's.
+    resumable = document["streams"]["resumable"] = rt.streams.describe()
+    resumable["store"] = "redis" if isinstance(rt.streams.store, RedisStreams) else "memory"
     return document
 
 

@@ -75,12 +75,21 @@ class ClusterUnreachable(Exception):
 
 class Cluster:
     def __init__(
-        self, relay: Relay, redis: str | RedisSource, prefix: str, *, on_sync: Callable[[], None]
+        self,
+        relay: Relay,
+        redis: str | RedisSource,
+        prefix: str,
+        *,
+        on_sync: Callable[[], None],
+        on_stream_cancel: Callable[[int | None, str], object] | None = None,
     ) -> None:
         """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
-        ``on_sync`` is called when another process changed providers or API keys."""
+        ``on_sync`` is called when another process changed providers or API keys;
+        ``on_stream_cancel(owner, id)`` when one was asked to stop a resumable response
+        (SPEC §18), which may run here."""
         self.relay = relay
         self.on_sync = on_sync
+        self.on_stream_cancel = on_stream_cancel
         self.prefix = prefix
         self.instance = relay.instance
         self.layer: BaseChannelLayer = get_channel_layer()
@@ -189,6 +198,11 @@ class Cluster:
                 )
             case "relay.disconnect_provider":
                 close_workers_of(relay, message["provider"], message["reason"])
+            case "relay.stream_cancel" if self.on_stream_cancel is not None:
+                owner = message.get("owner")
+                stream = message.get("stream")
+                if (owner is None or isinstance(owner, int)) and isinstance(stream, str):
+                    self.on_stream_cancel(owner, stream)
 
     def _first_time(self, order: str) -> bool:
         """Whether the order ``order`` was not applied here yet (remembered from now)."""
@@ -313,6 +327,13 @@ class Cluster:
             raise ClusterUnreachable(
                 "no Redis replica confirmed the order in time (a failover could lose it); try again"
             )
+
+    async def broadcast_stream_cancel(self, owner: int | None, stream: str) -> None:
+        """Tell every process to stop the resumable response ``stream`` of ``owner`` if it
+        runs there (its log is marked too: the writer also stops at its next append)."""
+        message = {"type": "relay.stream_cancel", "owner": owner, "stream": stream}
+        async with asyncio.timeout(self.timeout):
+            await self.layer.group_send(GROUP, message)
 
     async def broadcast_sync(self) -> None:
         async with asyncio.timeout(self.timeout):

@@ -39,6 +39,9 @@ LIFETIME_HEADER = "x-modelrelay-lifetime"
 KEY_HEADER = "x-modelrelay-key"
 #: The request's priority class and how often it was preempted (for the request log).
 CLASS_HEADER = "x-modelrelay-class"
+#: A resumable response's log (SPEC §18): "<gen> <owner> <id>"; the worker's process
+#: writes it and does not cancel the request when this exchange closes.
+RESUME_HEADER = "x-modelrelay-resume"
 #: The worker's process answers a request it could not start with this header:
 #: "spend" (it counts as a requeue) or "free" (it does not).
 REQUEUE_HEADER = "x-modelrelay-requeue"
@@ -178,6 +181,8 @@ class ProxyLink:
         if request.key_id is not None:
             headers[KEY_HEADER] = str(request.key_id)
         headers[CLASS_HEADER] = f"{request.service_class} {request.preemptions}"
+        if request.resume_key:
+            headers[RESUME_HEADER] = request.resume_key
         headers.setdefault("content-type", "application/json")
         answered = False
         try:

@@ -15,7 +15,7 @@ from django.conf import settings
 
 from relay.server import runtime
 from relay.server.batches import api as batches
-from relay.server.http import early, info
+from relay.server.http import early, info, reattach
 from relay.server.http.inference import inference, placed_here
 from relay.server.http.request import (
     MAX_HEADER_BYTES,
@@ -62,7 +62,7 @@ class RelayHttpApp:
         try:
             ours = flavor is not None or path in ("/health", "/metrics", "/metrics/workers")
             ours = ours or path == "/v1/models"
-            ours = ours or batches.serves(path)
+            ours = ours or batches.serves(path) or reattach.serves(path)
             if flavor is not None and early.internal(headers):
                 # Placed here by another process; any other value of the header is
                 # ignored and the request checked as a client's.
@@ -82,6 +82,8 @@ class RelayHttpApp:
                 await info.metrics(scope, send)
             elif path == "/metrics/workers":
                 await info.worker_metrics(scope, send)
+            elif reattach.serves(path):  # reattaching to a resumable response (SPEC §18)
+                await reattach.handle(scope, receive, send)
             elif batches.serves(path):  # Files, Batches, Message Batches (SPEC §16)
                 await batches.handle(scope, receive, send)
             elif path in self.routes:

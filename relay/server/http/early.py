@@ -35,6 +35,7 @@ from relay.core.legacy import oldapi
 from relay.server import runtime
 from relay.server.batches import api as batches
 from relay.server.cluster.proxy import TOKEN_HEADER
+from relay.server.http import reattach
 from relay.server.http.request import before_body, host_allowed, looks_anthropic, route_table
 from relay.wire import joining
 from relay.wire.errors import (
@@ -161,6 +162,8 @@ def check(method: str, path: str, headers: Headers) -> Verdict:
         return _limited(joining.MAX_JOIN_BYTES, "openai")
     if batches.serves(path):
         return _batches(method, path, headers)
+    if reattach.serves(path):  # (reattaching reads a small body at most: a lookup's)
+        return _limited(reattach.MAX_BODY_BYTES, "openai")
     models = path == "/v1/models" or path.startswith("/v1/models/")
     if models and method not in ("GET", "HEAD"):
         anthropic = any(name == b"anthropic-version" for name, _ in headers)

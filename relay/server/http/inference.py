@@ -6,13 +6,16 @@ from __future__ import annotations
 import math
 
 from relay.core import classes
+from relay.core.background import backend_body
 from relay.server import runtime
 from relay.server.cluster.proxy import (
     CLASS_HEADER,
     KEY_HEADER,
     LEASE_HEADER,
     LIFETIME_HEADER,
+    RESUME_HEADER,
 )
+from relay.server.http import resume
 from relay.server.http.request import (
     ClientGone,
     before_body,
@@ -31,6 +34,7 @@ LEASE_HEADER_B = LEASE_HEADER.encode()
 LIFETIME_HEADER_B = LIFETIME_HEADER.encode()
 KEY_HEADER_B = KEY_HEADER.encode()
 CLASS_HEADER_B = CLASS_HEADER.encode()
+RESUME_HEADER_B = RESUME_HEADER.encode()
 
 
 async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) -> None:
@@ -57,6 +61,10 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         if len(model) > rt.config.max_model_name_len:
             raise BadRequest(f"'model' is longer than {rt.config.max_model_name_len} characters")
         wanted = classes.asked(header(scope, b"x-priority"), tier)
+        # SPEC §18: None unless the request asks for its response to outlive it.
+        plan = resume.asked(scope, path, head, key_id, flavor)
+        if plan is not None and plan.entry.kind == "background":
+            body, stream = backend_body(raw).decode(), True
     except ClientGone:
         tracing.rejected(trace, 499, "cancelled")
         return
@@ -73,6 +81,16 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         try:  # the key's limits (SPEC §13): one Redis round trip at most
             ticket = await rt.admit(key_id, model, head.prompt.reservation)
         except RelayError as err:
+            relay.record_rejection(err, model, path, stream, key_id)
+            tracing.rejected(trace, err.status, err.outcome, model)
+            await send_error(send, err, flavor, cors)
+            return
+    if plan is not None:
+        try:
+            await rt.streams.open(plan.entry, replace=plan.replace)
+        except RelayError as err:
+            if ticket is not None:
+                ticket.close()
             relay.record_rejection(err, model, path, stream, key_id)
             tracing.rejected(trace, err.status, err.outcome, model)
             await send_error(send, err, flavor, cors)
@@ -97,6 +115,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         # out, a bug included (the application answers that one with a 500).
         if ticket is not None:
             ticket.close()
+        if plan is not None:
+            await rt.streams.forget(plan.entry)
         failed = exc if isinstance(exc, RelayError) else None
         status, outcome = (500, "error") if failed is None else (failed.status, failed.outcome)
         tracing.rejected(trace, status, outcome, model)
@@ -106,7 +126,10 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
         return
     tracing.admitted(trace, request)
     logrecord.request_id.set(request.id)  # every line this task logs names it
-    await respond(relay, request, receive, send, cors or [])
+    if plan is None:
+        await respond(relay, request, receive, send, cors or [])
+    else:
+        await resume.serve(rt, plan, request, receive, send, cors or [])
 
 
 def _session(scope: Scope, name: str) -> str | None:
@@ -136,6 +159,8 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         service_class, _, preempted = (header(scope, CLASS_HEADER_B) or b"").decode().partition(" ")
         raw = await read_body(receive, rt.config.max_request_bytes)
         model, stream = parse_head(raw)
+        resumable = header(scope, RESUME_HEADER_B)
+        kept = None if resumable is None else await resume.placed_entry(rt, resumable)
         request = relay.submit_pinned(
             worker_id=worker_id,
             lease=lease,
@@ -171,4 +196,7 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
     tracing.admitted(trace, request)
     placement.extend(worker_id, lease, request)
     logrecord.request_id.set(request.id)
-    await respond(relay, request, receive, send, [])
+    if kept is None:
+        await respond(relay, request, receive, send, [])
+    else:
+        await resume.serve_placed(rt, kept, request, receive, send)

@@ -94,6 +94,8 @@ class _Head(Cost):
     model: Any = msgspec.UNSET
     stream: Any = msgspec.UNSET
     service_tier: Any = None
+    #: Responses background mode (SPEC §18); read only on ``/v1/responses``.
+    background: Any = None
 
 
 _head_decoder = msgspec.json.Decoder(_Head)
@@ -107,6 +109,8 @@ class Head(NamedTuple):
     #: What cache-aware routing reads (SPEC §14), and what the key's budgets reserve
     #: (``prompt.reservation()``, worked out only for a key with a budget).
     prompt: Cost
+    #: ``background`` as sent (None: absent); :mod:`relay.server.http.resume` reads it.
+    background: object = None
 
 
 class ClientGone(Exception):
@@ -140,7 +144,7 @@ def read_head(body: bytes) -> Head:
         stream = False
     elif not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
-    return Head(head.model, stream, head.service_tier, head)
+    return Head(head.model, stream, head.service_tier, head, head.background)
 
 
 async def read_body(receive: Receive, limit: int) -> bytes:

@@ -1,0 +1,25 @@
+-- Append records to a response's log, trim what its bound drops (the writer counts the
+-- bytes: it wrote every record) and note the response object as it stands. ``gone`` when
+-- the writer is no longer this one (replaced, deleted, ended, expired); ``cancel`` when a
+-- client asked to stop it.
+-- KEYS: entry, log. ARGV: gen, instance, total, first, size, minid ('' : none), response
+-- ('' : unchanged), then the records (id, data, ...).
+local entry, log = KEYS[1], KEYS[2]
+local held = redis.call('HMGET', entry, 'gen', 'writer', 'state', 'cancel')
+if held[1] ~= ARGV[1] or held[2] ~= ARGV[2] or held[3] == 'done' then
+  return 'gone'
+end
+for i = 8, #ARGV, 2 do
+  redis.call('XADD', log, ARGV[i], 'd', ARGV[i + 1])
+end
+if ARGV[6] ~= '' then
+  redis.call('XTRIM', log, 'MINID', ARGV[6])
+end
+redis.call('HSET', entry, 'total', ARGV[3], 'first', ARGV[4], 'size', ARGV[5])
+if ARGV[7] ~= '' then
+  redis.call('HSET', entry, 'response', ARGV[7])
+end
+if held[4] == '1' then
+  return 'cancel'
+end
+return 'ok'
