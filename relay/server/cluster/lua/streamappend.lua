@@ -15,6 +15,13 @@ end
 if ARGV[6] ~= '' then
   redis.call('XTRIM', log, 'MINID', ARGV[6])
 end
+-- A log made by its first append (none was made at its opening) expires with its entry.
+if redis.call('PTTL', log) == -1 then
+  local ttl = redis.call('PTTL', entry)
+  if ttl > 0 then
+    redis.call('PEXPIRE', log, ttl)
+  end
+end
 redis.call('HSET', entry, 'total', ARGV[3], 'first', ARGV[4], 'size', ARGV[5])
 if ARGV[7] ~= '' then
   redis.call('HSET', entry, 'response', ARGV[7])
