@@ -160,9 +160,9 @@ class Runtime:
         #: Resumable responses (SPEC §18): their logs and the pumps that write them (in
         #: cluster mode the logs are in Redis, where every process reads them).
         kept: StreamStore = MemoryStreams(stream_bounds())
-        if settings.REDIS_URL:
+        if self.redis is not None:
             kept = RedisStreams(
-                settings.REDIS_URL,
+                self.redis,
                 settings.REDIS_PREFIX,
                 self.relay.instance,
                 stream_bounds(),
@@ -485,10 +485,10 @@ class Runtime:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 logger.error("%s failed", _name(task), exc_info=task.exception())
         self._tasks.clear()
+        await self.streams.aclose()  # (its retries use the Redis source: first)
         if self.redis is not None:
             await self.redis.aclose()
         self.federation.close()
-        await self.streams.aclose()
         await self.relay.aclose()
 
 

@@ -27,6 +27,11 @@ go first). A log whose
 writer (or, before any byte, the process its client reached) is gone — its process's key
 ``<REDIS_PREFIX>:instance:<id>`` expired — is ended by the next reader that notices, with
 the error a live client would have seen (:meth:`RedisStreams.settle`).
+
+Every connection is built by the process's
+:class:`~relay.server.cluster.redissource.RedisSource` (one URL, or the master found
+through Sentinel: SPEC §20), every call bounded by REDIS_TIMEOUT_SECS (the blocking read
+that follows logs by its block time plus that).
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.core.streamlog import (
@@ -51,7 +55,8 @@ from relay.core.streamlog import (
     Unary,
 )
 from relay.server.cluster.followers import Followers, read_log
-from relay.server.cluster.leanredis import Script, lean_client
+from relay.server.cluster.leanredis import Script
+from relay.server.cluster.redissource import RedisSource, source_of
 from relay.server.cluster.scripts import lua
 from relay.server.cluster.streamwriter import RedisWriter, orphan_ending
 from relay.wire.errors import (
@@ -97,27 +102,24 @@ class RedisStreams:
 
     def __init__(
         self,
-        url: str,
+        redis: str | RedisSource,
         prefix: str,
         instance: str,
         bounds: Bounds,
         *,
         running_ttl: float,
     ) -> None:
-        """``running_ttl``: how long a response may run (the longest request timeout),
-        for the expiry of those not claimed yet."""
+        """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
+        ``running_ttl``: how long a response may run (the longest request timeout), for
+        the expiry of those not claimed yet."""
         self.bounds = bounds
         self.instance = instance
         self.prefix = f"{prefix}:rs:"
         self.instances = f"{prefix}:instance:"
         self.running_ttl = running_ttl
-        self.redis = aioredis.from_url(
-            url,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-            client_name=f"modelrelay:{instance}:streams",
-        )
-        self.lean = lean_client(url, name=f"modelrelay:{instance}:streamlog")
+        source = source_of(redis)
+        self.redis = source.client(f"modelrelay:{instance}:streams")
+        self.lean = source.lean(f"modelrelay:{instance}:streamlog")
         fast: Any = (
             (lambda source: Script(self.lean, source))
             if self.lean
@@ -129,7 +131,7 @@ class RedisStreams:
         self.end_script = fast(END)
         self._cancel_lua = self.redis.register_script(CANCEL)
         self._evict_lua = self.redis.register_script(EVICT)
-        self.followers = Followers(url, f"modelrelay:{instance}:follow", self.redis)
+        self.followers = Followers(source, f"modelrelay:{instance}:follow", self.redis)
         #: The logs this process wrote and still counts, oldest first.
         self.written: OrderedDict[tuple[int | None, str], _Written] = OrderedDict()
         self.bytes = 0
