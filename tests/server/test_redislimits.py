@@ -204,11 +204,14 @@ class HoldingProxy:
     """Between a client and Redis, standing for a Redis that stops reading and goes on
     (``SIGSTOP``, ``SIGCONT``): from :meth:`hold`, what every connection sends is kept, as
     a stopped Redis leaves it unread; :meth:`release` hands it over and lets everything
-    through again. (A connection reset meanwhile loses what it sent, as it does.)"""
+    through again. (A connection reset meanwhile loses what it sent, as it does.) While
+    ``muted``, Redis's replies are dropped on the way: its commands run, and their
+    callers never hear."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self.holding = False
+        self.muted = False
         self._links: list[_Link] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self.server: asyncio.Server | None = None
@@ -232,7 +235,8 @@ class HoldingProxy:
         async def back() -> None:
             try:
                 while data := await up_reader.read(65536):
-                    writer.write(data)
+                    if not self.muted:
+                        writer.write(data)
             except ConnectionError:
                 pass
             finally:

@@ -183,12 +183,12 @@ async def read_log(
     log: str,
     bytewise: bool,
     start: int,
-    still_kept: Callable[[], Awaitable[bool]],
+    still_kept: Callable[[int], Awaitable[bool]],
 ) -> AsyncGenerator[bytes, None]:
     """The log from unit ``start`` (entry ids are ``<first unit>-1``, the end marker
     ``<units>-2``), then what is appended, until its end marker. It ends early when the
-    reader falls behind what the log keeps, or when a quiet wait finds the log gone
-    (``still_kept()`` false)."""
+    reader falls behind what the log keeps, or when a quiet wait finds the log gone or
+    no longer holding where the reader is (``still_kept(unit)`` false)."""
     pos = start
     # The first read starts (inclusive) at the record holding unit ``start``; the next
     # ones after the last entry read.
@@ -232,7 +232,7 @@ async def read_log(
         else:  # nothing at or after the start yet: wait for anything after it
             first, seq = _split(bound)
             last = f"{first}-{max(0, seq - 1)}".encode()
-        if not await followers.wait(log_key, last, CHECK_SECS) and not await still_kept():
+        if not await followers.wait(log_key, last, CHECK_SECS) and not await still_kept(pos):
             return
 
 
