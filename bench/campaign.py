@@ -23,6 +23,7 @@ from bench import (
     big_box,
     classes,
     cluster,
+    failover,
     fleet,
     limits,
     ondemand,
@@ -425,7 +426,7 @@ class Campaign:
             )
         if "h" in only:
             self.log("per-key limits (relay core, in process; Redis admission):")
-            redis_url = "redis://127.0.0.1:6379/0" if cluster.redis_reachable() else None
+            redis_url = cluster.REDIS_URL if cluster.redis_reachable() else None
             self.res["limits"] = asyncio.run(
                 limits.measure(self.s["h_requests"], self.s["h_rounds"], redis_url)
             )
@@ -447,6 +448,11 @@ class Campaign:
         if "o" in only:
             self.log("streams that survive a dropped connection (background mode, replay):")
             self.res["resume"] = resume.run(self.procs, self.workdir, self.s, self.log)
+        if "p" in only:
+            self.log("ModelRelay cluster on a Redis watched by Sentinel:")
+            self.res["failover"] = failover.run(
+                self.procs, self.workdir, self.upstream_url, self.upstream_pid, self.s, self.log
+            )
         if "e" in only:
             for name in names:
                 if name in RELAYS:

@@ -38,13 +38,17 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from bench import peers, scenarios
 from bench.procs import Processes
 from bench.scenarios import Window
 from bench.targets import MODEL, ROOT, Target, start_server, start_workers, wait_workers
 
-REDIS = ("127.0.0.1", 6379)
+#: The Redis (g) shares (``BENCH_REDIS_URL`` names another, e.g. a private one).
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+_redis = urlsplit(REDIS_URL)
+REDIS = (_redis.hostname or "127.0.0.1", _redis.port or 6379)
 
 
 def redis_reachable() -> bool:
@@ -94,10 +98,10 @@ def run(
     log: Any,
 ) -> dict[str, Any]:
     if not redis_reachable():
-        return {"skipped": "Redis is not reachable at 127.0.0.1:6379"}
+        return {"skipped": f"Redis is not reachable at {REDIS[0]}:{REDIS[1]}"}
     prefix = f"bench-{secrets.token_hex(4)}"
     env = {
-        "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "REDIS_URL": REDIS_URL,
         "REDIS_PREFIX": prefix,
         "MODELRELAY_SECRET_PEPPER": secrets.token_urlsafe(32),
         "DJANGO_SECRET_KEY": secrets.token_urlsafe(50),

@@ -4,7 +4,7 @@ Usage::
 
     python bench/run.py                 # everything; rewrites docs/BENCHMARKS.md
     python bench/run.py --quick         # a reduced pass (~2 min) for optimising
-    python bench/run.py --only c        # one scenario (a to m, o; comma list)
+    python bench/run.py --only c        # one scenario (a to m, o, p; comma list)
 
 Scenarios (see bench/README.md for what each measures): (a) non-streaming
 throughput, (b) added latency at one request in flight, (c) concurrent 20 token/s
@@ -54,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         default="",
-        help="scenarios to run: a,b,c,d,e,f,g,h,i,j,k (d = a + c; f = one big box; "
+        help="scenarios to run: a to m, o, p (d = a + c; f = one big box; "
         "g = two processes through Redis; h = per-key limits; i = batches; "
         "j = priority classes; k = cache-aware routing; l = fleet observability; "
-        "m = models on demand; o = streams that survive a dropped connection)",
+        "m = models on demand; o = streams that survive a dropped connection; "
+        "p = cluster mode on Sentinel)",
     )
     p.add_argument(
         "--targets", default=",".join(ALL_TARGETS), help="comma list of " + ",".join(ALL_TARGETS)
@@ -87,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     args = p.parse_args(argv)
 
-    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghijklmo")
-    if not only <= set("abcdefghijklmo"):
-        p.error("--only takes a, b, c, d, e, f, g, h, i, j, k, l, m, o")
+    only = {x.strip() for x in args.only.split(",") if x.strip()} or set("abcdefghijklmop")
+    if not only <= set("abcdefghijklmop"):
+        p.error("--only takes a, b, c, d, e, f, g, h, i, j, k, l, m, o, p")
     if "d" in only:
         only |= {"a", "c"}
     names = [n.strip().lower() for n in args.targets.split(",") if n.strip()]

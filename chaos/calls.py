@@ -64,6 +64,8 @@ def code_of_message(message: str) -> str:
         return "worker_error"
     if message.startswith("model '"):
         return "model_not_found"
+    if message.startswith(("Too many concurrent requests", "Rate limit of this API key")):
+        return "rate_limit_exceeded"  # (per-key limits name the limit in the message)
     return "?"
 
 
@@ -193,6 +195,10 @@ class Call:
     model: str = MODEL
     #: What the scenario calls this group of calls in its report.
     group: str = ""
+    #: The API key it is sent with (None: none), and the name under which the fake
+    #: backend counts the calls of that key in progress (``/chaos/stats`` ``keys``).
+    api_key: str | None = None
+    key_name: str = ""
     reply: Reply | None = None
     sse: SseCheck | None = None
     verdict: str = "pending"
@@ -214,6 +220,8 @@ class Call:
             chaos["retry_delay"] = self.retry_delay
         if self.gap:
             chaos["gap"] = self.gap
+        if self.key_name:
+            chaos["key"] = self.key_name
         document: dict[str, Any] = {
             "model": self.model,
             "messages": [{"role": "user", "content": f"call {self.tag}"}],
@@ -229,6 +237,8 @@ class Call:
         headers = {"Content-Type": "application/json"}
         if self.flavor == "anthropic":
             headers["anthropic-version"] = "2023-06-01"
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         raw = http_request(port, "POST", self.path, self.body(), headers)
         self.sse = SseCheck(self.tag, self.flavor)
         self.exchange = Exchange(port, raw, timeout=timeout, on_body=self.sse.feed)

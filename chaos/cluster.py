@@ -289,7 +289,7 @@ async def _routes_everywhere(rig: ClusterRig, out: Outcome, fault: str) -> None:
     for i in rig.indexes:
         await rig.hold()
         probes = [
-            Call(f"{fault}-probe-{rig.letter(i)}{n}", hold=True, group="probe")
+            Call(f"{fault}-probe-{rig.letter(i)}{n}", hold=True, group="probe", api_key=rig.api_key)
             for n in range(rig.capacity)
         ]
         for call in probes:

@@ -134,6 +134,8 @@ class ClusterRig:
         self.upstream: Proc | None = None
         self.nginx: Proc | None = None
         self.logs: list[Proc] = []
+        #: The API key the scenario's own probes carry (when keys are required).
+        self.api_key: str | None = None
         #: When each process last listened again after being stopped or killed.
         self.back_at: dict[int, float] = {}
         self._incarnations: dict[str, int] = {}

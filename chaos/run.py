@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from chaos import cluster, report  # noqa: E402
+from chaos import cluster, failover, report  # noqa: E402
 from chaos.matrix import FUZZ, PROFILES, SCENARIOS_BY_NAME, Profile, run_scenario  # noqa: E402
 from chaos.outcome import Outcome  # noqa: E402
 
@@ -53,6 +53,11 @@ async def run_matrix(
                 print(f"{name} ({server}) ...", flush=True)
             if name == cluster.NAME:
                 out = await cluster.run_cluster(profile.name, workdir / f"{server}-{name}", server)
+            elif name in (failover.NAME, f"{failover.NAME}-valkey"):
+                flavor = "valkey" if name.endswith("-valkey") else "redis"
+                out = await failover.run_failover(
+                    profile.name, workdir / f"{server}-{name}", server, flavor
+                )
             else:
                 scenario = FUZZ if name == FUZZ.name else SCENARIOS_BY_NAME[name]
                 out = await run_scenario(scenario, profile, workdir / f"{server}-{name}", server)
@@ -64,7 +69,13 @@ async def run_matrix(
 
 
 def main(argv: list[str] | None = None) -> int:
-    all_names = [*SCENARIOS_BY_NAME, FUZZ.name, cluster.NAME]
+    all_names = [
+        *SCENARIOS_BY_NAME,
+        FUZZ.name,
+        cluster.NAME,
+        failover.NAME,
+        f"{failover.NAME}-valkey",
+    ]
     p = argparse.ArgumentParser(description="ModelRelay under staged faults, and a fuzzer.")
     p.add_argument("--quick", action="store_true", help="small counts (the 'quick' profile)")
     p.add_argument("--profile", choices=sorted(PROFILES), help="full, quick or test")

@@ -23,7 +23,8 @@ server, with numbered tokens so a client can check a relayed answer exactly:
 - A path under ``/w/<name>`` is the same path, served to worker ``<name>`` (its
   ``--backend-url`` ends with it): ``/chaos/stats`` also counts each worker's requests
   in progress and the most it ever had at once (``peak``), to check that no worker was
-  handed more than its ``max_concurrent``.
+  handed more than its ``max_concurrent``; a request whose ``chaos.key`` names an API
+  key counts in ``key_peak`` the same way (per-key limits across processes).
 
 Prints ``upstream listening on http://127.0.0.1:<port>`` once it accepts connections;
 stops on SIGTERM/SIGINT.
@@ -191,6 +192,9 @@ class Backend:
         #: Requests in progress per worker (``/w/<name>`` paths), and the most at once.
         self.in_flight: Counter[str] = Counter()
         self.peak: Counter[str] = Counter()
+        #: The same per API key the calls name (``chaos.key``): per-key limits held.
+        self.key_in_flight: Counter[str] = Counter()
+        self.key_peak: Counter[str] = Counter()
 
     def stats(self) -> bytes:
         return _dump(
@@ -203,6 +207,7 @@ class Backend:
                 "aborted": dict(self.aborted),
                 "in_flight": dict(self.in_flight),
                 "peak": dict(self.peak),
+                "key_peak": dict(self.key_peak),
             }
         )
 
@@ -305,6 +310,10 @@ class Connection(asyncio.Protocol):
         if worker:
             backend.in_flight[worker] += 1
             backend.peak[worker] = max(backend.peak[worker], backend.in_flight[worker])
+        key = str(chaos.get("key", ""))
+        if key:
+            backend.key_in_flight[key] += 1
+            backend.key_peak[key] = max(backend.key_peak[key], backend.key_in_flight[key])
         finished = False
         try:
             if chaos.get("hold") and backend.holding:
@@ -344,6 +353,8 @@ class Connection(asyncio.Protocol):
                 del backend.active[tag]
             if worker:
                 backend.in_flight[worker] -= 1
+            if key:
+                backend.key_in_flight[key] -= 1
             if not finished:
                 backend.aborted[tag] += 1
 

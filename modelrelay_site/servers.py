@@ -108,7 +108,7 @@ class Serving:
         self._stopping = True
         logger.info("shutting down: no new requests; finishing in-flight work")
         asyncio.get_running_loop().create_task(self._graceful())
-        if settings.REDIS_URL:
+        if settings.REDIS_TARGET is not None:
             # Behind a load balancer (cluster mode), new connections are refused rather
             # than answered 503: the balancer sends them to another process (a refused
             # connection is retried whatever the method; a 503 to a POST is not).

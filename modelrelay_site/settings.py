@@ -7,6 +7,7 @@ Every timing and size limit has a name and a documented default (README, "Settin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -20,6 +21,9 @@ from modelrelay_site.env import (
     env_str,
     persisted_secret,
 )
+
+if TYPE_CHECKING:
+    from relay.server.cluster.redisconf import RedisTarget
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(env_str("DATA_DIR", str(BASE_DIR / "var"))).resolve()
@@ -148,6 +152,41 @@ MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
 
 REDIS_URL = env_str("REDIS_URL", "")
 REDIS_PREFIX = env_str("REDIS_PREFIX", "modelrelay")
+# Or a replicated Redis (or Valkey) watched by Sentinel (SPEC §20, docs/CLUSTER.md): the
+# sentinels (host:port list) and the name they know the master by, instead of REDIS_URL;
+# the passwords of the master (and its replicas) and of the sentinels, and TLS to both.
+REDIS_SENTINELS = env_list("REDIS_SENTINELS", [])
+REDIS_SENTINEL_MASTER = env_str("REDIS_SENTINEL_MASTER", "")
+REDIS_SENTINEL_PASSWORD = env_str("REDIS_SENTINEL_PASSWORD", "")
+REDIS_PASSWORD = env_str("REDIS_PASSWORD", "")
+REDIS_TLS = env_bool("REDIS_TLS", False)
+REDIS_TLS_CA_FILE = env_str("REDIS_TLS_CA_FILE", "")
+# The longest any Redis call waits for its reply: a Redis that stops answering makes the
+# process degraded within this, never holds a request up longer.
+REDIS_TIMEOUT_SECS = env_float("REDIS_TIMEOUT_SECS", 1.0)
+
+
+def _redis_target() -> RedisTarget | None:
+    from relay.server.cluster.redisconf import TargetError, parse_target
+
+    try:
+        return parse_target(
+            url=REDIS_URL,
+            sentinels=REDIS_SENTINELS,
+            master=REDIS_SENTINEL_MASTER,
+            password=REDIS_PASSWORD,
+            sentinel_password=REDIS_SENTINEL_PASSWORD,
+            tls=REDIS_TLS,
+            tls_ca_file=REDIS_TLS_CA_FILE,
+            timeout=REDIS_TIMEOUT_SECS,
+        )
+    except TargetError as exc:
+        raise ImproperlyConfigured(str(exc)) from None
+
+
+#: Where the cluster's Redis is (None: one process, no Redis): every use of Redis is
+#: built from it (relay/server/cluster/redissource.py).
+REDIS_TARGET = _redis_target()
 # Cluster mode: the URL at which the other server processes reach this one (default:
 # http://<listen host>:<port>, the host name when listening on all interfaces).
 CLUSTER_ADVERTISE_URL = env_str("CLUSTER_ADVERTISE_URL", "")
@@ -191,13 +230,15 @@ if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:
 #: counting this long after it stopped renewing them (it died), so they never leak
 #: (docs/OPERATIONS.md).
 LIMITS_LEASE_SECS = env_float("LIMITS_LEASE_SECS", 15.0)
-if REDIS_URL:
+if REDIS_TARGET is not None:
+    from relay.server.cluster.redisconf import channel_hosts
+
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
             "CONFIG": {
                 # redis-py 8 defaults to a 5 s socket timeout, which kills idle receivers.
-                "hosts": [{"address": REDIS_URL, "socket_timeout": None}],
+                "hosts": channel_hosts(REDIS_TARGET),
                 "prefix": f"{REDIS_PREFIX}:asgi:",
                 "capacity": 1000,
                 "expiry": 30,

@@ -54,10 +54,13 @@ class ScriptedWorker:
         self.peak = 0
         self._ws = None
         self._reader: asyncio.Task[None] | None = None
+        #: The id the relay gave it (set once registered).
+        self.worker_id = ""
 
     async def __aenter__(self) -> ScriptedWorker:
         self._ws = await connect(self.server)
-        await register(self._ws, models=self.models, max_concurrent=self.max_concurrent)
+        ack = await register(self._ws, models=self.models, max_concurrent=self.max_concurrent)
+        self.worker_id = ack.worker_id
         self._reader = asyncio.get_running_loop().create_task(self._read())
         return self
 

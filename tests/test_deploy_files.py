@@ -312,6 +312,74 @@ def test_compose_runs_server_postgres_redis_and_a_worker_without_committed_secre
                 assert re.fullmatch(r"\$\{\w+:[?-][^}]*\}", value or ""), (name, key, value)
 
 
+def test_the_compose_sentinel_override_finds_the_master_through_three_sentinels():
+    services = parse_block_yaml((ROOT / "docker-compose.sentinel.yml").read_text())["services"]
+    sentinels = [f"sentinel-{n}" for n in (1, 2, 3)]
+    assert set(services) == {"server", "redis", "redis-replica", *sentinels}
+    env = services["server"]["environment"]
+    assert env["REDIS_URL"] == ""  # replaced: never both
+    assert env["REDIS_SENTINELS"].split(",") == [f"{name}:26379" for name in sentinels]
+    monitor = re.search(
+        r"^sentinel monitor (\S+) (\S+) (\d+) (\d+)$",
+        (DEPLOY / "redis-sentinel.conf").read_text(),
+        re.MULTILINE,
+    )
+    assert monitor is not None
+    assert monitor.groups() == (env["REDIS_SENTINEL_MASTER"], "redis", "6379", "2")
+    for name in ("redis", "redis-replica"):
+        assert "--min-replicas-to-write 1" in services[name]["command"], name
+    assert "--replicaof redis 6379" in services["redis-replica"]["command"]
+    for name in sentinels:
+        sentinel = services[name]
+        assert (
+            "./deploy/redis-sentinel.conf:/etc/modelrelay/sentinel.conf:ro" in sentinel["volumes"]
+        )
+        assert f"{name}:/data" in sentinel["volumes"]  # its own copy, which it rewrites
+        assert "--sentinel" in sentinel["command"]
+        assert services["server"]["depends_on"][name]["condition"] == "service_healthy"
+
+
+def test_sentinel_accepts_the_sentinel_config(tmp_path):
+    """deploy/redis-sentinel.conf, its master moved to a local redis-server: the sentinel
+    starts with it and monitors that master under the name and quorum it gives."""
+    from tests.sentinelkit import free_ports, wait_for
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    master, sentinel = free_ports(2)
+    conf = (DEPLOY / "redis-sentinel.conf").read_text()
+    conf = conf.replace(
+        "sentinel monitor modelrelay redis 6379", f"sentinel monitor modelrelay 127.0.0.1 {master}"
+    )
+    conf = conf.replace("port 26379", f"port {sentinel}").replace("dir /data", f"dir {tmp_path}")
+    (tmp_path / "sentinel.conf").write_text(conf)
+    import redis
+
+    started = [
+        subprocess.Popen(
+            [binary, "--port", str(master), "--save", "", "--dir", str(tmp_path)],
+            stdout=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [binary, str(tmp_path / "sentinel.conf"), "--sentinel"], stdout=subprocess.DEVNULL
+        ),
+    ]
+    try:
+        with redis.Redis(port=sentinel, socket_timeout=2, decode_responses=True) as client:
+            state = wait_for(
+                lambda: client.execute_command("SENTINEL", "MASTER", "modelrelay"),
+                10,
+                "the sentinel",
+            )
+        assert int(state["quorum"]) == 2 and int(state["down-after-milliseconds"]) == 5000
+        assert int(state["port"]) == master
+    finally:
+        for process in started:
+            process.kill()
+            process.wait(5)
+
+
 # --------------------------------------------------------------------------- systemd
 
 

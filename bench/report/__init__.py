@@ -4,7 +4,8 @@
 - :mod:`bench.report.goals`: the performance targets, met or not;
 - :mod:`bench.report.ratios`: ModelRelay ÷ its peers;
 - :mod:`bench.report.sections`: (a) to (f);
-- :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits;
+- :mod:`bench.report.cluster`: (g) two processes through Redis, (h) per-key limits,
+  (p) cluster mode on a Redis watched by Sentinel;
 - :mod:`bench.report.batches`: (i) batches on idle capacity;
 - :mod:`bench.report.classes`: (j) priority classes;
 - :mod:`bench.report.affinity`: (k) cache-aware routing;
@@ -64,5 +65,6 @@ def tables(res: dict[str, Any]) -> str:
         accesslog.access_log(res),
         ondemand.ondemand(res),
         resume.resume(res),
+        cluster.failover(res),
     ]
     return "\n".join(line for part in parts for line in part)

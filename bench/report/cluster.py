@@ -1,4 +1,5 @@
-"""(g) two server processes through Redis, and (h) what per-key limits cost."""
+"""(g) two server processes through Redis, (h) what per-key limits cost, and (p) cluster
+mode on a Redis watched by Sentinel."""
 
 from __future__ import annotations
 
@@ -209,5 +210,67 @@ def limits(res: dict[str, Any]) -> list[str]:
         *table(["measure", "per request"], rows),
         "",
         *table(["target", "measured", "met?"], targets),
+        "",
+    ]
+
+
+def failover(res: dict[str, Any]) -> list[str]:
+    m = res.get("failover")
+    if not m:
+        return []
+    from bench.failover import FAILOVER_LOAD_SECS, SPREAD_CPU_RATIO
+
+    title = "### (p) Cluster mode on a Redis watched by Sentinel"
+    if "skipped" in m:
+        return [title, "", f"Not run: {m['skipped']}.", ""]
+    one, spread, f = m["one"], m["spread"], m["failover"]
+    mine, alone = spread["us_per_request"], spread["one_us_per_request"]
+    ratio = mine / alone if alone else float("nan")
+    split = ", ".join(
+        f"{name} {share(spread, (key,)) / 100:.2f}"
+        for name, key in (
+            ("servers", "server"),
+            ("worker.py", "workers"),
+            ("load generator", "client"),
+            ("upstream", "upstream"),
+            ("other", "other"),
+        )
+    )
+    return [
+        title,
+        "",
+        "A master, a replica and three sentinels of the run's own on this machine "
+        "(`min-replicas-to-write 1`); `manage.py serve` processes (daphne) find the master "
+        "through the sentinels (`REDIS_SENTINELS`). *One process*: A with two `worker.py`, "
+        "wrk with 32 connections as in (a). *Two processes placing across each other*: "
+        "B joins, each process has one worker, 16 connections against each at once.",
+        "",
+        *table(
+            ["measure", "measured", "met?"],
+            [
+                ["one process: req/s", f"{one['rps']:,.0f}", "-"],
+                ["two processes: req/s", f"{spread['rps']:,.0f} ({spread['errors']} errors)", "-"],
+                [
+                    f"server CPU per request, both processes, ≤ {SPREAD_CPU_RATIO:g}x one "
+                    "process's",
+                    f"{mine:,.0f} µs vs {alone:,.0f} µs ({ratio:.2f}x)",
+                    _met(ratio <= SPREAD_CPU_RATIO),
+                ],
+            ],
+        ),
+        "",
+        f"CPU during the two-process run, in cores: {split}"
+        + (
+            f"; the machine's load average after the scenario: {m['load_average']:.2f}."
+            if "load_average" in m
+            else "."
+        ),
+        "",
+        f"A failover under load: `{f['wrk']}` against each process for "
+        f"{FAILOVER_LOAD_SECS} s, `SENTINEL FAILOVER` after 2 s: {f['requests']:,} requests "
+        f"({f['rps']:,.0f} req/s), {f['errors']} not answered 2xx. The processes were "
+        f"degraded, serving their own workers, for {f['degraded']}: the new master refuses "
+        "writes (`min-replicas-to-write 1`) until the sentinels make the old one its "
+        "replica, at their next look at it (every 10 s).",
         "",
     ]

@@ -16,7 +16,8 @@ before any process claimed the log (queued, refused, timed out): then it ends th
 with that outcome.
 
 A pump stops its request when the store says to (``cancel``: someone asked to; ``gone``:
-the log was replaced or deleted), and when the request ends. Cancels asked through any
+the log was replaced or deleted; ``lost``: the log cannot be kept whole, its store having
+failed over without its last records), and when the request ends. Cancels asked through any
 process reach the pumps of every process (:meth:`StreamKeeper.cancel_here`).
 """
 
@@ -40,6 +41,8 @@ from relay.wire.sse import error_event
 logger = logging.getLogger("relay.streams")
 
 Key = tuple[int | None, str]
+#: Why a pump stops its request, for the log line.
+_STOPPED = {"cancel": "cancelled", "lost": "lost in a Redis failover (its log was ended)"}
 Ending = tuple[str, list[bytes], Unary | None, bytes | None]
 
 
@@ -338,7 +341,7 @@ class StreamKeeper:
         logger.info(
             "stopping %s: its stream was %s",
             request.id,
-            "cancelled" if verdict == "cancel" else "replaced or deleted",
+            _STOPPED.get(verdict, "replaced or deleted"),
             extra={"request_id": request.id},
         )
         self.relay.cancel(request, "client_disconnect")

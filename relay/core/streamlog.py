@@ -37,8 +37,10 @@ Kind = Literal["background", "replay"]
 #: ``queued``: no byte yet; ``running``: its worker is writing; ``done``: it ended.
 State = Literal["queued", "running", "done"]
 #: What a writer is told after each append: go on, stop the request (someone asked to
-#: cancel it), or stop writing (the log was replaced, deleted or expired).
-Verdict = Literal["ok", "cancel", "gone"]
+#: cancel it), stop writing (the log was replaced, deleted or expired), or stop the
+#: request because its log cannot be kept whole (``lost``: a Redis that failed over
+#: without the log's last records; the writer ended the log where its store holds it).
+Verdict = Literal["ok", "cancel", "gone", "lost"]
 
 #: What one retained response costs besides its records (its entry, its key's index),
 #: and each record besides its bytes: counted in the bounds, so that many small
@@ -100,6 +102,9 @@ class Entry:
     response: bytes = b""
     #: Which opening of this id it is (a replaced conversation's old writer is refused).
     gen: str = ""
+    #: Units from here on were lost (a Redis that failed over without them) and the log
+    #: was ended here: a reader may start at it, not after it. -1: nothing was lost.
+    cut: int = -1
 
     @property
     def done(self) -> bool:
@@ -142,7 +147,9 @@ class LogWriter(Protocol):
         was replaced or deleted meanwhile."""
 
     async def append(self, records: list[bytes], response: bytes | None = None) -> Verdict:
-        """Add ``records`` (and, background, the response object as it now stands)."""
+        """Add ``records`` (and, background, the response object as it now stands).
+        A store out of reach is no error: the writer keeps what it could not write
+        (within the log's bound) and writes it at a later call."""
 
     async def end(
         self,
@@ -152,7 +159,8 @@ class LogWriter(Protocol):
         unary: Unary | None = None,
         response: bytes | None = None,
     ) -> None:
-        """Add the last records and say how it ended; readers see its end. Idempotent."""
+        """Add the last records and say how it ended; readers see its end. Idempotent.
+        A store out of reach is no error: the end is written as soon as it answers."""
 
 
 class StreamStore(Protocol):

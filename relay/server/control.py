@@ -17,6 +17,7 @@ from django.conf import settings
 
 from relay.server import runtime as _runtime
 from relay.server.cluster.control import GROUP, ClusterUnreachable
+from relay.server.cluster.redissource import MasterUnknown, check_master
 
 __all__ = ["ClusterUnreachable"]
 
@@ -25,6 +26,19 @@ logger = logging.getLogger("relay.runtime")
 #: The close reason workers see when an operator rotates their provider's secret and
 #: disconnects them.
 SECRET_ROTATED = _runtime.SECRET_ROTATED
+
+
+def redis_problem() -> str | None:
+    """At start, before serving: what is wrong with the Redis settings that retrying
+    cannot mend (a master name no sentinel monitors), or None. Sentinels that cannot be
+    reached are no problem here: the server starts degraded and keeps asking."""
+    if settings.REDIS_TARGET is None:
+        return None
+    try:
+        check_master(settings.REDIS_TARGET)
+    except MasterUnknown as exc:
+        return str(exc)
+    return None
 
 
 async def workers() -> list[dict[str, object]]:
@@ -57,7 +71,7 @@ def providers_changed() -> None:
             rt.loop.call_soon_threadsafe(rt.poke)
         except RuntimeError:  # loop closed between the check and the call
             rt = None
-    if not settings.REDIS_URL:
+    if settings.REDIS_TARGET is None:
         return
     try:
         if rt is not None and rt.cluster is not None:
@@ -92,7 +106,7 @@ def disconnect_provider(provider: str, reason: str = SECRET_ROTATED) -> int:
             raise RuntimeError("disconnect_provider() called on the relay's event loop")
         future = asyncio.run_coroutine_threadsafe(rt.disconnect_provider(provider, reason), rt.loop)
         return future.result(timeout=10)
-    if settings.REDIS_URL:
+    if settings.REDIS_TARGET is not None:
         from asgiref.sync import async_to_sync
         from channels.layers import get_channel_layer
 

@@ -40,6 +40,7 @@ from relay.server.cluster.control import Cluster, close_workers_of
 from relay.server.cluster.limits import RedisLimitStore
 from relay.server.cluster.placement import RedisPlacement
 from relay.server.cluster.proxy import cluster_token
+from relay.server.cluster.redissource import RedisSource
 from relay.server.cluster.streamstore import RedisStreams
 from relay.server.cors import CorsPolicy
 from relay.server.federation import Federation
@@ -139,10 +140,13 @@ class Runtime:
             flush_interval=settings.REQUEST_LOG_FLUSH_SECS,
             retention_days=settings.AUDIT_RETENTION_DAYS,
         )
+        #: Every Redis connection of this process is built from it (cluster mode).
+        target = settings.REDIS_TARGET
+        self.redis: RedisSource | None = RedisSource(target) if target is not None else None
         self.limit_store: LimitStore
-        if settings.REDIS_URL and self.require_keys:
+        if self.redis is not None and self.require_keys:
             self.limit_store = RedisLimitStore(
-                settings.REDIS_URL,
+                self.redis,
                 settings.REDIS_PREFIX,
                 self.relay.instance,
                 lease_secs=settings.LIMITS_LEASE_SECS,
@@ -156,9 +160,9 @@ class Runtime:
         #: Resumable responses (SPEC §18): their logs and the pumps that write them (in
         #: cluster mode the logs are in Redis, where every process reads them).
         kept: StreamStore = MemoryStreams(stream_bounds())
-        if settings.REDIS_URL:
+        if self.redis is not None:
             kept = RedisStreams(
-                settings.REDIS_URL,
+                self.redis,
                 settings.REDIS_PREFIX,
                 self.relay.instance,
                 stream_bounds(),
@@ -216,10 +220,12 @@ class Runtime:
         self.cluster: Cluster | None = None
         self.placement: RedisPlacement | None = None
         self.cluster_token = cluster_token(settings.SECRET_PEPPER)
-        if settings.REDIS_URL:
+        if self.redis is not None:
+            # Sentinel: where the master is, asked every tick (a switch is noticed then).
+            self._tasks.append(loop.create_task(self.redis.watch(settings.CLUSTER_TICK_SECS)))
             self.cluster = Cluster(
                 self.relay,
-                settings.REDIS_URL,
+                self.redis,
                 settings.REDIS_PREFIX,
                 on_sync=self.poke,
                 on_stream_cancel=self.streams.cancel_here,
@@ -227,7 +233,7 @@ class Runtime:
             self._tasks.append(loop.create_task(self.cluster.run()))
             self.placement = RedisPlacement(
                 self.relay,
-                settings.REDIS_URL,
+                self.redis,
                 settings.REDIS_PREFIX,
                 self.cluster_token,
                 tick=settings.CLUSTER_TICK_SECS,
@@ -479,8 +485,10 @@ class Runtime:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 logger.error("%s failed", _name(task), exc_info=task.exception())
         self._tasks.clear()
+        await self.streams.aclose()  # (its retries use the Redis source: first)
+        if self.redis is not None:
+            await self.redis.aclose()
         self.federation.close()
-        await self.streams.aclose()
         await self.relay.aclose()
 
 

@@ -38,6 +38,7 @@ Hierarchy::
     │   ├── WorkerUnavailable       (cluster: placed again by the client's process)
     │   ├── ModelLoadFailed         (no worker could load the model)
     │   ├── StreamsUnavailable      (resumable responses cannot be kept or read now)
+    │   ├── StreamLost              (a Redis failover lost a resumable response's last part)
     │   └── ShuttingDown
     ├── GatewayTimeout              (504)
     │   ├── QueueTimeout
@@ -406,6 +407,18 @@ class StreamsUnavailable(ServiceUnavailable):
     code = "streams_unavailable"
     default_message = "Resumable responses cannot be kept or read right now, please retry"
     outcome = "streams_unavailable"
+
+
+class StreamLost(ServiceUnavailable):
+    """Cluster mode: Redis failed over to a replica that lacked a resumable response's last
+    records (replication is asynchronous). Its log ends where the new master holds it,
+    with this error, and its request is stopped: no reader could have what was lost."""
+
+    code = "stream_lost"
+    default_message = (
+        "The relay lost the end of this response when its Redis failed over; start again"
+    )
+    outcome = "stream_lost"
 
 
 class ShuttingDown(ServiceUnavailable):

@@ -141,6 +141,17 @@ async def test_past_the_total_bound_old_entries_go_too(stores):
     assert await read_all(store, 1, "t2", 0) == b"x" * 300
 
 
+async def test_every_key_of_a_log_expires_its_log_made_by_the_first_append_too(stores):
+    store = stores("a")
+    made = entry()
+    await store.open(made, replace=True)  # (a conversation's log has no record yet)
+    writer = store.writer(made)
+    await writer.claim(60)
+    await writer.append([b"data: 1\n\n"])
+    for key in store.keys_of(1, "c"):
+        assert 0 < await store.redis.pttl(key) <= 3_600_000 + 61_000 + 600_000, key
+
+
 async def test_lookup_finds_model_variants_and_expiry_forgets_ended_logs(stores):
     store = stores("a", retain_secs=0.3)
     for stream_id in ("conv", "conv::org/m", "conversation"):

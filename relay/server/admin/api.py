@@ -193,6 +193,9 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
         "store": "redis" if isinstance(rt.limit_store, RedisLimitStore) else "memory",
         "store_failures": rt.limiter.store_failures,
     }
+    if isinstance(rt.limit_store, RedisLimitStore):
+        # Admitted within this process's share while Redis could not answer.
+        document["limits"]["by_share"] = rt.limit_store.fallbacks
     # Resumable responses (SPEC §18): this process's.
     resumable = document["streams"]["resumable"] = rt.streams.describe()
     resumable["store"] = "redis" if isinstance(rt.streams.store, RedisStreams) else "memory"

@@ -21,7 +21,9 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from relay.core.classes import FLEX_RANK
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.cluster.proxy import ProxyPool
@@ -76,6 +78,7 @@ class Convergence:
         _announcing: asyncio.Lock
         _listening: asyncio.Event
         _leaving: bool
+        _reask: bool
         lean: Any
 
         @property
@@ -100,6 +103,8 @@ class Convergence:
         def _on_message(self, message: str) -> None: ...
 
         def _serve_own(self) -> None: ...
+
+        async def _want_slot(self, request: RelayRequest) -> None: ...
 
         async def _loads_tick(self) -> None: ...
 
@@ -203,6 +208,7 @@ class Convergence:
     async def _reconcile(self) -> None:
         """Read back where each request waiting here stands: a slot found for it whose
         notice was lost is taken now; an entry the shared queue lost is placed again."""
+        reask, self._reask = self._reask, False
         entries = [
             (request.provider, entry)
             for entry, request in self.waiting.items()
@@ -219,6 +225,8 @@ class Convergence:
             elif status == "lost":
                 logger.info("cluster: the shared queue lost %s; placing it again", entry)
                 self._spawn(self._place(entry, request))
+            elif reask and request.rank < FLEX_RANK:
+                self._spawn(self._want_slot(request))
 
     async def _learn_models(self) -> None:
         """What the other processes' workers serve, so requests for it are admitted here.
@@ -305,8 +313,17 @@ class Convergence:
         # shared queue are kept track of: sorted out when Redis answers again.)
         self.relay.dispatch_waiting()
 
+    def master_switched(self) -> None:
+        """Sentinel moved the master (:meth:`RedisSource.on_switch`): the new one may lack
+        the last writes the old one took, so this process goes degraded until a whole pass
+        re-asserted its share on the new one, as after a flush, and asks again for the
+        slots its requests above ``flex`` wanted (an ask published meanwhile may be lost)."""
+        self._trouble(RedisConnectionError("the Redis master moved (Sentinel failover)"))
+
     def _recovered(self) -> None:
         was, kept_out = self.status, self.problem == KEPT_OUT
+        #: The next reconcile asks again for the slots of waiting requests above flex.
+        self._reask = True
         self.status = "ok"
         self.problem = ""
         self.since = time.time()

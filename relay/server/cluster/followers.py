@@ -8,7 +8,11 @@ interrupted (``CLIENT UNBLOCK``), so the read starts over with its stream includ
 
 Nothing here is trusted to be perfect: a wait has a bound (the reader then looks for
 itself, and checks whether its log ended, was deleted, or lost its writer), and a failed
-read wakes everyone and starts over after a short pause.
+read wakes everyone and starts over after a short pause. The blocking read's connection
+is built by the process's :class:`~relay.server.cluster.redissource.RedisSource` (it
+follows the master through Sentinel) and bounded by its block time plus
+REDIS_TIMEOUT_SECS: a Redis that stops answering fails it, never hangs it; a master
+switch closes it, and the next read is on the new master.
 
 :func:`read_log` is one reader: it replays a log from a unit (a byte offset, or an event
 number) and follows it to its end marker.
@@ -25,6 +29,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.core.streamlog import PIECE_BYTES
+from relay.server.cluster.redissource import RedisSource
 
 logger = logging.getLogger("relay.streams")
 
@@ -43,10 +48,14 @@ UNBLOCK_EVERY = 0.005
 
 
 class Followers:
-    def __init__(self, url: str, name: str, control: aioredis.Redis) -> None:
+    def __init__(self, source: RedisSource, name: str, control: aioredis.Redis) -> None:
         """``control``: a client of the store's, used to interrupt the blocking read."""
-        self.url = url
-        self.name = name
+        self.timeout = source.target.timeout
+        #: The longest the blocking read may take: its block time, plus the bound on
+        #: any Redis call.
+        self.read_secs = BLOCK_MS / 1000 + self.timeout
+        #: The pool the blocking read's connection comes from (named ``name``).
+        self.pool = source.client(name, timeout=self.read_secs)
         self.control = control
         #: stream key -> the waiting readers: (last id read, woken when there is more).
         self.waiting: dict[bytes, list[tuple[bytes, asyncio.Future[None]]]] = {}
@@ -125,19 +134,16 @@ class Followers:
     async def _read(self, streams: dict[bytes, bytes]) -> Any:
         client = self._client
         if client is None:
-            client = aioredis.Redis.from_url(
-                self.url,
-                single_connection_client=True,
-                socket_timeout=BLOCK_MS / 1000 + 5,
-                socket_connect_timeout=2,
-                client_name=self.name,
-            )
-            self._client = client
-            self._conn_id = int(await client.client_id())
+            # One connection of its own, whose id the interrupt names.
+            client = self._client = self.pool.client()
+            async with asyncio.timeout(self.timeout):
+                self._conn_id = int(await client.client_id())
         self._cycle += 1
         self._blocking = True
         try:
-            return await client.xread(streams, count=1, block=BLOCK_MS)  # type: ignore[arg-type]
+            # (Bounded besides its socket's timeout: finding the master is part of it.)
+            async with asyncio.timeout(self.read_secs + self.timeout):
+                return await client.xread(streams, count=1, block=BLOCK_MS)  # type: ignore[arg-type]
         finally:
             self._blocking = False
 
@@ -151,6 +157,10 @@ class Followers:
         client, self._client, self._conn_id = self._client, None, None
         if client is not None:
             try:
+                # Closed before it goes back to the pool: a read cut short may have left
+                # a reply on it.
+                if client.connection is not None:
+                    await client.connection.disconnect()
                 await client.aclose()
             except Exception:
                 pass
@@ -164,6 +174,7 @@ class Followers:
                 pass
         self._wake_all()
         await self._reset()
+        await self.pool.aclose()
 
 
 async def read_log(
@@ -172,12 +183,12 @@ async def read_log(
     log: str,
     bytewise: bool,
     start: int,
-    still_kept: Callable[[], Awaitable[bool]],
+    still_kept: Callable[[int], Awaitable[bool]],
 ) -> AsyncGenerator[bytes, None]:
     """The log from unit ``start`` (entry ids are ``<first unit>-1``, the end marker
     ``<units>-2``), then what is appended, until its end marker. It ends early when the
-    reader falls behind what the log keeps, or when a quiet wait finds the log gone
-    (``still_kept()`` false)."""
+    reader falls behind what the log keeps, or when a quiet wait finds the log gone or
+    no longer holding where the reader is (``still_kept(unit)`` false)."""
     pos = start
     # The first read starts (inclusive) at the record holding unit ``start``; the next
     # ones after the last entry read.
@@ -221,7 +232,7 @@ async def read_log(
         else:  # nothing at or after the start yet: wait for anything after it
             first, seq = _split(bound)
             last = f"{first}-{max(0, seq - 1)}".encode()
-        if not await followers.wait(log_key, last, CHECK_SECS) and not await still_kept():
+        if not await followers.wait(log_key, last, CHECK_SECS) and not await still_kept(pos):
             return
 
 

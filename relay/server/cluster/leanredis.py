@@ -15,6 +15,10 @@ does not know the script (after a restart or ``SCRIPT FLUSH``). Errors are redis
 exception types, so callers handle both clients alike: a lost or stalled connection
 raises :class:`redis.exceptions.ConnectionError` in every caller waiting on it (one
 watchdog per connection instead of a timer per call), and the next call reconnects.
+A ``-READONLY`` reply (the server was a master and is a replica now, after a failover)
+counts as a lost connection too. Behind Sentinel the client is given a ``locate``
+coroutine (:class:`relay.server.cluster.redissource.RedisSource`) and asks it where the
+master is at each connect.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import hashlib
 import re
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
@@ -34,6 +39,8 @@ REPLY_SECS = 5.0
 CONNECT_SECS = 2.0
 
 Reply = Any
+#: Where the master is now (Sentinel): asked at every connect.
+Locate = Callable[[], Awaitable[tuple[str, int]]]
 
 
 def _encode(args: tuple[Any, ...]) -> bytes:
@@ -128,6 +135,11 @@ class _Protocol(asyncio.Protocol):
                 value, pos = _parse(buf, pos)
                 if not self.waiting:
                     raise RedisConnectionError("Redis replied to nothing")
+                if isinstance(value, ResponseError) and str(value).startswith("READONLY"):
+                    # A demoted master: every call on this connection would fail the same
+                    # way. Reconnecting finds the new master.
+                    self.fail(RedisConnectionError(f"Redis is a replica now: {value}"))
+                    return
                 future, _ = self.waiting.popleft()
                 if not future.done():
                     future.set_result(value)
@@ -156,16 +168,27 @@ class _Protocol(asyncio.Protocol):
 class LeanRedis:
     """``await client.evalsha(script, *args)``: one connection, replies in order."""
 
-    def __init__(self, url: str, reply_secs: float = REPLY_SECS, name: str | None = None) -> None:
-        """``name``: what ``CLIENT LIST`` calls the connection (``CLIENT SETNAME``)."""
+    def __init__(
+        self,
+        url: str,
+        reply_secs: float = REPLY_SECS,
+        name: str | None = None,
+        *,
+        locate: Locate | None = None,
+        password: str | None = None,
+    ) -> None:
+        """``name``: what ``CLIENT LIST`` calls the connection (``CLIENT SETNAME``);
+        ``locate``: asked for the address at each connect (instead of the URL's host and
+        port), with ``password`` when the URL carries none."""
         parts = urlsplit(url)
+        self.locate = locate
         self.reply_secs = reply_secs
         self.name = name
         if parts.scheme not in ("redis", ""):
             raise ValueError(f"the lean Redis client speaks redis:// only, not {parts.scheme}")
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 6379
-        self.password = unquote(parts.password) if parts.password else None
+        self.password = unquote(parts.password) if parts.password else password
         self.username = unquote(parts.username) if parts.username else None
         path = parts.path.lstrip("/")
         self.db = int(path) if path else 0
@@ -177,6 +200,9 @@ class LeanRedis:
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
         try:
+            if self.locate is not None:
+                async with asyncio.timeout(self.reply_secs):
+                    self.host, self.port = await self.locate()
             async with asyncio.timeout(min(CONNECT_SECS, self.reply_secs)):
                 _, proto = await loop.create_connection(
                     lambda: _Protocol(self), self.host, self.port
@@ -189,11 +215,20 @@ class LeanRedis:
                     setup.append(("SELECT", self.db))
                 if self.name:
                     setup.append(("CLIENT", "SETNAME", self.name))
+                if self.locate is not None:
+                    # A sentinel that has not heard of a failover yet names the old
+                    # master, which may be back as a replica.
+                    setup.append(("ROLE",))
                 for command in setup:
                     reply = await self._send(proto, command)
                     if isinstance(reply, Exception):
                         proto.fail(RedisConnectionError(str(reply)))
                         raise RedisConnectionError(f"Redis refused {command[0]}: {reply}")
+                    if command[0] == "ROLE" and reply[:1] != [b"master"]:
+                        proto.fail(RedisConnectionError("not the master"))
+                        raise RedisConnectionError(
+                            f"{self.host}:{self.port} is not the master (yet)"
+                        )
         except (OSError, TimeoutError) as exc:
             raise RedisConnectionError(f"cannot reach Redis at {self.host}:{self.port}: {exc}")
         if self._watchdog is None or self._watchdog.done():
@@ -253,6 +288,12 @@ class LeanRedis:
             if overdue:
                 assert proto is not None
                 proto.fail(RedisConnectionError(f"Redis did not reply within {self.reply_secs} s"))
+
+    def drop(self, reason: str) -> None:
+        """Fail the connection now (its callers get ``ConnectionError``); the next call
+        connects again (to where ``locate`` says the master is)."""
+        if self._proto is not None:
+            self._proto.fail(RedisConnectionError(reason))
 
     async def aclose(self) -> None:
         self._closed = True

@@ -32,9 +32,16 @@ If such a write fails (or finds less held than it gives back), the tokens are re
 and this process's slot and reservation counts for the keys concerned are re-asserted
 from memory by the next heartbeat. Every script sets the expiry of what it writes.
 
-If Redis cannot be reached, :meth:`RedisLimitStore.acquire` raises
-:class:`~relay.core.limits.LimitStoreUnavailable` and the limiter admits without the
-counted limits (logged, counted in ``/admin/stats``): the relay keeps serving.
+If Redis cannot be reached (or does not answer within ``REDIS_TIMEOUT_SECS``),
+:meth:`RedisLimitStore.acquire` admits within this process's share of each limit
+(:mod:`relay.server.cluster.limitshare`; a budget's share counts the tokens this
+process's requests in flight reserved), and goes on doing so without asking Redis until
+a heartbeat (every :data:`RETRY_SECS` meanwhile) gets through: the relay keeps serving,
+and no key gets more than its limit from the cluster as a whole. Then the slots and the
+reservations this process holds are re-asserted (by that heartbeat's script) and the
+tokens it charged meanwhile written. After Sentinel moved the master, the new one may
+lack the last writes of the old one: the same recovery as for a lost lease runs at once,
+which raises the token counters to the request log's figures (never lowers one).
 """
 
 from __future__ import annotations
@@ -44,17 +51,21 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from relay.core.limits import DAY, KeyLimits, Limit, LimitStoreUnavailable, Periods, Refusal
-from relay.server.cluster.leanredis import Script, lean_client
+from relay.server.cluster.leanredis import Script
+from relay.server.cluster.limitshare import LimitShare
+from relay.server.cluster.redissource import RedisSource, source_of
 from relay.server.cluster.scripts import lua
 
 logger = logging.getLogger("relay.limits")
 
-#: The longest a limit check may wait for Redis before the request is admitted without it.
-REDIS_TIMEOUT_SECS = 2.0
+#: While Redis does not answer, a heartbeat tries again this often.
+RETRY_SECS = 0.5
+#: Heartbeats sent at once, when Redis answers again, for the admissions by share made
+#: while the one before was on its way.
+CATCH_UP_BEATS = 3
 #: A process gone this long is forgotten (its slot fields deleted).
 FORGET_MS = 3_600_000
 #: Token charges kept for retry while Redis is unreachable (beyond: dropped, logged).
@@ -65,6 +76,8 @@ MAX_PENDING = 100_000
 ADMIT = lua("now", "admit")
 FINISH = lua("finish")
 BEAT = lua("now", "beat")
+ATLEAST = lua("atleast")
+PEERS = lua("now", "peers")
 
 _REFUSALS = {1: Limit.MONTH, 2: Limit.DAY, 3: Limit.RATE, 4: Limit.CONCURRENCY}
 _FAILURES = (RedisError, OSError, TimeoutError)
@@ -86,7 +99,7 @@ SpendSource = Callable[[Periods], Awaitable[dict[int, tuple[int, int]]]]
 class RedisLimitStore:
     def __init__(
         self,
-        url: str,
+        redis: str | RedisSource,
         prefix: str,
         instance: str,
         *,
@@ -94,24 +107,32 @@ class RedisLimitStore:
         spend_source: SpendSource | None = None,
         calendar: Callable[[], Periods] | None = None,
     ) -> None:
-        """``spend_source`` and ``calendar``: where the tokens spent so far are read
-        back from after Redis lost its counters, and the periods of now."""
+        """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
+        ``spend_source`` and ``calendar``: where the tokens spent so far are read back
+        from after Redis lost its counters, and the periods of now."""
+        source = source_of(redis)
+        #: The longest a limit check waits for Redis before this process's share decides.
+        self.timeout = source.target.timeout
         # Named, so that CLIENT LIST tells each process's connections and their roles apart.
-        self.redis = aioredis.from_url(
-            url,
-            decode_responses=True,
-            socket_timeout=REDIS_TIMEOUT_SECS,
-            socket_connect_timeout=REDIS_TIMEOUT_SECS,
-            client_name=f"modelrelay:{instance}:limits",
-        )
+        self.redis = source.client(f"modelrelay:{instance}:limits", decode_responses=True)
         self.prefix = f"{prefix}:limits"
         self.instance = instance
         self.lease_ms = max(1, int(lease_secs * 1000))
         #: Admission is on the request path: through the lean client where it applies.
-        self.lean = lean_client(url, REDIS_TIMEOUT_SECS, f"modelrelay:{instance}:admit")
+        self.lean = source.lean(f"modelrelay:{instance}:admit")
         self._admit = Script(self.lean, ADMIT) if self.lean else self.redis.register_script(ADMIT)
         self._finish = self.redis.register_script(FINISH)
         self._beat = self.redis.register_script(BEAT)
+        self._atleast = self.redis.register_script(ATLEAST)
+        self._peers = self.redis.register_script(PEERS)
+        #: This process's share of each limit, while Redis cannot answer.
+        self.share = LimitShare(instance)
+        #: Set while Redis did not answer: admissions go by the share without asking it.
+        self.down = False
+        #: Requests admitted by this process's share (Redis unreachable).
+        self.fallbacks = 0
+        self._switched = False
+        source.on_switch(self._master_switched)
         #: Slots and reserved tokens this process holds per key: the truth the
         #: heartbeat re-asserts.
         self.held: Counter[int] = Counter()
@@ -130,6 +151,10 @@ class RedisLimitStore:
     async def acquire(
         self, key_id: int, limits: KeyLimits, at: Periods, now: float, reserve: int = 0
     ) -> Refusal | None:
+        counted = limits.max_concurrent is not None
+        reserving = reserve if limits.budgeted and reserve > 0 else 0
+        if self.down:
+            return await self._by_share(key_id, limits, at, now, reserving)
         keys = [
             self._key("live"),
             self._key("slots", key_id),
@@ -138,7 +163,6 @@ class RedisLimitStore:
             self._key("month", key_id, at.month),
             self._key("reserved", key_id),
         ]
-        reserving = reserve if limits.budgeted and reserve > 0 else 0
         args: list[str | int] = [
             self.instance,
             self.lease_ms,
@@ -148,7 +172,6 @@ class RedisLimitStore:
             limits.tokens_per_month or 0,
             reserving,
         ]
-        counted = limits.max_concurrent is not None
         # Before the round trip, so a heartbeat that crosses it cannot re-assert a
         # count without this slot and reservation.
         self._hold(key_id, counted, reserving)
@@ -157,7 +180,8 @@ class RedisLimitStore:
         except _FAILURES as exc:
             self._unhold(key_id, counted, reserving)
             _unless_cancelled(exc)
-            raise LimitStoreUnavailable(str(exc) or type(exc).__name__) from exc
+            self._went_down(exc, at)
+            return await self._by_share(key_id, limits, at, now, reserving)
         except asyncio.CancelledError:
             if counted or reserving:  # the script may have run: give back either way
                 self.finish(key_id, counted, 0, at, reserving)
@@ -172,6 +196,43 @@ class RedisLimitStore:
             return None
         self._unhold(key_id, counted, reserving)
         return Refusal(_REFUSALS[int(code)], int(retry_ms) / 1000)
+
+    def _went_down(self, exc: BaseException, at: Periods) -> None:
+        if self.down:
+            return
+        self.down = True
+        self.share.begin(at)
+        processes, _ = self.share.place()
+        logger.warning(
+            "limit store unreachable (%s): admitting within this process's share of each "
+            "limit (1/%d) until Redis answers",
+            str(exc) or type(exc).__name__,
+            processes,
+        )
+        self._wake.set()  # the heartbeat tries again soon
+
+    async def _by_share(
+        self, key_id: int, limits: KeyLimits, at: Periods, now: float, reserve: int
+    ) -> Refusal | None:
+        """Admit by this process's share (Redis unreachable): its slots and the tokens
+        its requests in flight reserved count against it, those admitted through Redis
+        before included; what this admits is written to Redis by the heartbeat that
+        gets through."""
+        refusal = await self.share.acquire(
+            key_id, limits, at, now, self.held.get(key_id, 0), self.reserved.get(key_id, 0)
+        )
+        if refusal is None:
+            self.fallbacks += 1
+            counted = limits.max_concurrent is not None
+            if counted or reserve:
+                self._hold(key_id, counted, reserve)
+                self._repair.add(key_id)  # Redis hears of it with the next heartbeat
+        return refusal
+
+    def _master_switched(self) -> None:
+        """Sentinel moved the master, which may lack the last writes: recover at once."""
+        self._switched = True
+        self._wake.set()
 
     def _hold(self, key_id: int, slot: bool, tokens: int) -> None:
         if slot:
@@ -190,6 +251,8 @@ class RedisLimitStore:
 
     def finish(self, key_id: int, held: bool, tokens: int, at: Periods, reserved: int = 0) -> None:
         self._unhold(key_id, held, reserved)
+        if self.down:
+            self.share.charge(key_id, tokens, at)
         if len(self._pending) < MAX_PENDING:
             self._pending.append((key_id, held, tokens, at, reserved))
         else:
@@ -214,6 +277,7 @@ class RedisLimitStore:
         for key_id, day, month in zip(ids, days, months, strict=True):
             if month:
                 out[key_id] = (int(day or 0), int(month))
+        self.share.learned(out, ids)
         return out
 
     async def run(self) -> None:
@@ -224,10 +288,10 @@ class RedisLimitStore:
         next_beat = 0.0
         try:
             while True:
-                if loop.time() >= next_beat:
+                if loop.time() >= next_beat or self._switched:
                     await self._heartbeat()
                     _unless_cancelled()
-                    next_beat = loop.time() + every
+                    next_beat = loop.time() + (RETRY_SECS if self.down else every)
                 # A timer, not asyncio.timeout(): nothing here may take a cancel for
                 # a timeout.
                 beat = loop.call_at(next_beat, self._wake.set)
@@ -248,7 +312,7 @@ class RedisLimitStore:
         for _ in range(cancels):  # so that the writes below are not cut short
             task.uncancel()  # type: ignore[union-attr]
         try:
-            async with asyncio.timeout(REDIS_TIMEOUT_SECS):
+            async with asyncio.timeout(2 * self.timeout):
                 await self._write()
                 await self.redis.zrem(self._key("live"), self.instance)
         except (*_FAILURES, asyncio.CancelledError):
@@ -261,6 +325,8 @@ class RedisLimitStore:
                 task.cancel()  # still on its way out: the caller's cancel stands
 
     async def _write(self) -> None:
+        if self.down:
+            return  # (kept until a heartbeat gets through: then written at once)
         batch, self._pending = self._pending, []
         if not batch:
             return
@@ -294,35 +360,73 @@ class RedisLimitStore:
                 raise
             _unless_cancelled(exc)
             logger.warning("could not write %d finished request(s) to Redis: %s", len(batch), exc)
+            self._went_down(exc, batch[-1][3])
             return
         # Redis held less for this process than it gave back (it lost some): re-assert.
         self._repair.update(entry[0] for entry, short in zip(batch, shorts, strict=True) if short)
 
-    async def _heartbeat(self) -> None:
+    async def _heartbeat(self, catch_up: int = CATCH_UP_BEATS) -> None:
+        """Renew this process's lease, learn the processes holding one (the shares), and
+        re-assert, in the same script, this process's slot and reservation counts for
+        the keys to repair (each hash's expiry set with its write). When Redis answers
+        again, admissions go through it only once it counts all of this process's."""
         repair, self._repair = self._repair, set()
+        switched, self._switched = self._switched, False
         keys = [self._key("live")]
         args: list[str | int] = [self.instance, self.lease_ms, FORGET_MS]
         for key_id in repair:  # this process's counts, as it knows them
             keys += [self._key("slots", key_id), self._key("reserved", key_id)]
             args += [self.held.get(key_id, 0), self.reserved.get(key_id, 0)]
+        # The requests that ended before now are out of those counts: the writes of theirs
+        # still waiting must not give back their slots and reservations a second time
+        # (those that end from here on are in the counts, and give back theirs).
+        settled = len(self._pending)
         try:
-            lost = await self._beat(keys=keys, args=args)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                await self._beat(keys=keys, args=args, client=pipe)
+                await self._peers(keys=[self._key("live")], client=pipe)
+                lost, peers = await pipe.execute()
         except _FAILURES as exc:
             self._repair |= repair
+            self._switched |= switched
             _unless_cancelled(exc)
-            logger.warning("could not renew this process's lease in Redis: %s", exc)
+            if not self.down:
+                logger.warning("could not renew this process's lease in Redis: %s", exc)
             return
-        if int(lost):
+        if repair:
+            self._pending[:settled] = [
+                (entry[0], False, entry[2], entry[3], 0) if entry[0] in repair else entry
+                for entry in self._pending[:settled]
+            ]
+        self.share.peers = frozenset(peers)
+        if self.down and self._repair and catch_up:
+            # Redis answers again, but this beat carried the counts of when it was sent,
+            # maybe a timeout ago: what was admitted by share since is not in them, and
+            # Redis would admit on counts short of it. Once more, before it decides alone.
+            self._switched |= switched or bool(int(lost))  # (recovered after that beat)
+            await self._heartbeat(catch_up - 1)
+            return
+        if self.down:
+            self.down = False
+            logger.warning("limit store: Redis answers again; admitting through it")
+            self._wake.set()  # the writes kept meanwhile go now
+        if int(lost) or switched:
             await self._recover()
 
     async def _recover(self) -> None:
-        """Our lease was gone: Redis may have lost every counter. Re-assert the slots and
-        reservations this process holds, and put back the tokens spent so far where a
-        counter is missing (from the request log, which every process writes: the first
-        to get there wins)."""
+        """Our lease was gone, or the master moved: Redis may have lost counters (all of
+        them, or the last writes). Re-assert the slots and reservations this process
+        holds, and raise each token counter to at least what the request log says (which
+        every process writes; a counter is never lowered)."""
         self.recoveries += 1
-        logger.warning("limit store: this process's lease was gone; re-asserting its slots")
-        self._repair |= set(self.held) | set(self.reserved)
+        logger.warning("limit store: Redis may have lost counters; re-asserting this process's")
+        # (Also the keys whose last slot or reservation here ended since: Redis may or may
+        # not count it.)
+        self._repair |= (
+            set(self.held)
+            | set(self.reserved)
+            | {k for k, held, _, _, reserved in self._pending if held or reserved}
+        )
         if self._spend_source is None or self._calendar is None:
             return
         at = self._calendar()
@@ -331,25 +435,18 @@ class RedisLimitStore:
         except Exception:
             logger.warning("could not read the tokens spent from the request log", exc_info=True)
             return
+        now = at.day_ends - DAY
+        keys: list[str] = []
+        args: list[int] = []
+        for key_id, (day, month) in spend.items():
+            keys += [self._key("day", key_id, at.day), self._key("month", key_id, at.month)]
+            args += [day, int((at.day_ends - now + DAY) * 1000)]
+            args += [month, int((at.month_ends - now + DAY) * 1000)]
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key_id, (day, month) in spend.items():
-                    now = at.day_ends - DAY
-                    pipe.set(
-                        self._key("day", key_id, at.day),
-                        day,
-                        nx=True,
-                        px=int((at.day_ends - now + DAY) * 1000),
-                    )
-                    pipe.set(
-                        self._key("month", key_id, at.month),
-                        month,
-                        nx=True,
-                        px=int((at.month_ends - now + DAY) * 1000),
-                    )
-                await pipe.execute()
+            if keys:
+                await self._atleast(keys=keys, args=args)
         except _FAILURES as exc:
             _unless_cancelled(exc)
             logger.warning("could not put the tokens spent back in Redis: %s", exc)
             return
-        await self._heartbeat()  # the slots now, not a beat later
+        await self._heartbeat()  # the slots and reservations now, not a beat later

@@ -29,18 +29,16 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from relay.core.classes import FLEX_RANK
 from relay.core.fairqueue import weight_of
 from relay.core.legacy.tasks import refusal
 from relay.core.relay import Relay
 from relay.core.state import Phase, RelayRequest, Worker
 from relay.server.cluster.convergence import LEASE_MARGIN_MS, TROUBLE, Convergence, now_ms
-from relay.server.cluster.leanredis import lean_client
 from relay.server.cluster.loads import ClusterLoads
 from relay.server.cluster.preempt import ClusterPreemption
 from relay.server.cluster.proxy import ProxyPool
+from relay.server.cluster.redissource import RedisSource, source_of
 from relay.server.cluster.state import (
     ClusterState,
     Placed,
@@ -59,14 +57,15 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
     def __init__(
         self,
         relay: Relay,
-        redis_url: str,
+        redis: str | RedisSource,
         prefix: str,
         token: str,
         *,
         tick: float = TICK_SECS,
         ttl: float = TTL_SECS,
     ) -> None:
-        """``tick``: how often the control loop runs; ``ttl``: how long this process's
+        """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
+        ``tick``: how often the control loop runs; ``ttl``: how long this process's
         keys outlive its last tick (CLUSTER_TICK_SECS, CLUSTER_TTL_SECS)."""
         self.relay = relay
         self.instance = relay.instance
@@ -76,15 +75,15 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
         #: Priority classes (SPEC §15): the aging bound the shared queue applies (0: none).
         self.aging_ms = 0 if aging is None else max(1, int(aging * 1000))
         # Named, so that CLIENT LIST tells each process's connections and their roles apart
-        # (this pool also holds the pub/sub connection).
-        self.redis = aioredis.from_url(
-            redis_url,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-            client_name=f"modelrelay:{self.instance}:cluster",
-        )
+        # (this pool also holds the pub/sub connection). Every call bounded by the
+        # source's timeout: a Redis that stops answering makes this process degraded.
+        source = source_of(redis)
+        self.redis = source.client(f"modelrelay:{self.instance}:cluster")
         #: The per-request scripts' own connection (None: they use ``self.redis``).
-        self.lean = lean_client(redis_url, name=f"modelrelay:{self.instance}:place")
+        self.lean = source.lean(f"modelrelay:{self.instance}:place")
+        # A new master may lack the last writes (asynchronous replication): re-assert
+        # everything at once, as after a flush.
+        source.on_switch(self.master_switched)
         self.state = ClusterState(self.redis, prefix, self.lean)
         self.proxies = ProxyPool(relay, token, self._release_unsent, self._unreachable)
         #: What this process shows the others of its token (never the token itself).
@@ -114,6 +113,8 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
         #: Set when the server stops: its workers are offered as draining from then on.
         self._leaving = False
         self._asks = itertools.count()
+        #: Set when Redis answers again: asks for a preemption may have been lost meanwhile.
+        self._reask = False
         self._init_loads()
 
     # -- the Placement protocol ------------------------------------------------------

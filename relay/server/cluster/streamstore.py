@@ -26,7 +26,17 @@ the logs it wrote within STREAM_RETAIN_TOTAL_BYTES (the records of those that en
 go first). A log whose
 writer (or, before any byte, the process its client reached) is gone — its process's key
 ``<REDIS_PREFIX>:instance:<id>`` expired — is ended by the next reader that notices, with
-the error a live client would have seen (:meth:`RedisStreams.settle`).
+the error a live client would have seen (:meth:`RedisStreams.settle`), except just after
+Redis trouble (:mod:`relay.server.cluster.streamrecovery`).
+
+Every connection is built by the process's
+:class:`~relay.server.cluster.redissource.RedisSource` (one URL, or the master found
+through Sentinel: SPEC §20), every call bounded by REDIS_TIMEOUT_SECS (the blocking read
+that follows logs by its block time plus that). Redis out of reach refuses new
+resumable responses and reattaches (503) and ends the readers' streams (they reattach);
+writers keep what Redis did not take. A new master that lacks a log's last records has
+the log ended where it holds it, as lost (:meth:`RedisStreams.lose`): a reader may start
+up to that point, and gets 410 past it.
 """
 
 from __future__ import annotations
@@ -35,12 +45,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
 from typing import Any
-
-import msgspec
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from relay.core.streamlog import (
     ENTRY_OVERHEAD,
@@ -48,12 +53,14 @@ from relay.core.streamlog import (
     Bounds,
     Entry,
     Retained,
-    Unary,
 )
 from relay.server.cluster.followers import Followers, read_log
-from relay.server.cluster.leanredis import Script, lean_client
+from relay.server.cluster.leanredis import Script
+from relay.server.cluster.redissource import RedisSource, source_of
 from relay.server.cluster.scripts import lua
-from relay.server.cluster.streamwriter import RedisWriter, orphan_ending
+from relay.server.cluster.streamentry import entry_of, holds, lost_ending, orphan_ending
+from relay.server.cluster.streamrecovery import TROUBLE, Key, Recovery, Written
+from relay.server.cluster.streamwriter import RedisWriter
 from relay.wire.errors import (
     StreamGone,
     StreamNotFound,
@@ -69,8 +76,6 @@ APPEND = lua("streamappend")
 END = lua("streamend")
 CANCEL = lua("streamcancel")
 EVICT = lua("streamevict")
-#: What Redis trouble looks like from here.
-TROUBLE = (RedisError, OSError, TimeoutError)
 #: How long an owner's index outlives its last new response.
 _INDEX_MARGIN_SECS = 3600.0
 
@@ -83,41 +88,29 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-@dataclass(slots=True)
-class _Written:
-    """A log this process writes or wrote: what it holds, for the total bound."""
-
-    gen: str
-    size: int
-    ended: float = 0.0
-
-
 class RedisStreams:
     """:class:`~relay.core.streamlog.StreamStore` in Redis (cluster mode)."""
 
     def __init__(
         self,
-        url: str,
+        redis: str | RedisSource,
         prefix: str,
         instance: str,
         bounds: Bounds,
         *,
         running_ttl: float,
     ) -> None:
-        """``running_ttl``: how long a response may run (the longest request timeout),
-        for the expiry of those not claimed yet."""
+        """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
+        ``running_ttl``: how long a response may run (the longest request timeout), for
+        the expiry of those not claimed yet."""
         self.bounds = bounds
         self.instance = instance
         self.prefix = f"{prefix}:rs:"
         self.instances = f"{prefix}:instance:"
         self.running_ttl = running_ttl
-        self.redis = aioredis.from_url(
-            url,
-            socket_timeout=5,
-            socket_connect_timeout=2,
-            client_name=f"modelrelay:{instance}:streams",
-        )
-        self.lean = lean_client(url, name=f"modelrelay:{instance}:streamlog")
+        source = source_of(redis)
+        self.redis = source.client(f"modelrelay:{instance}:streams")
+        self.lean = source.lean(f"modelrelay:{instance}:streamlog")
         fast: Any = (
             (lambda source: Script(self.lean, source))
             if self.lean
@@ -129,14 +122,18 @@ class RedisStreams:
         self.end_script = fast(END)
         self._cancel_lua = self.redis.register_script(CANCEL)
         self._evict_lua = self.redis.register_script(EVICT)
-        self.followers = Followers(url, f"modelrelay:{instance}:follow", self.redis)
+        self.followers = Followers(source, f"modelrelay:{instance}:follow", self.redis)
         #: The logs this process wrote and still counts, oldest first.
-        self.written: OrderedDict[tuple[int | None, str], _Written] = OrderedDict()
+        self.written: OrderedDict[Key, Written] = OrderedDict()
         self.bytes = 0
         self.evicted = 0
         self.trimmed = 0
         self.refused = 0
         self.settled = 0
+        #: Logs ended here as lost (a new master lacked their last records).
+        self.lost = 0
+        self.recovery = Recovery(self)
+        source.on_switch(self.recovery.switched)
 
     def keys_of(self, owner: int | None, stream_id: str) -> tuple[str, str, str]:
         base = f"{self.prefix}{_owner(owner)}:"
@@ -191,7 +188,7 @@ class RedisStreams:
         raw: dict[bytes, bytes] = await self.redis.hgetall(meta)  # type: ignore[assignment]
         if not raw:
             return None
-        entry = _entry(owner, stream_id, raw)
+        entry = entry_of(owner, stream_id, raw)
         if not entry.done and await self.settle(entry, raw):
             return await self._get(owner, stream_id)
         return entry
@@ -203,12 +200,12 @@ class RedisStreams:
         entry = await self._get(owner, stream_id)
         if entry is None:
             raise StreamNotFound()
-        if start < entry.first or entry.evicted:
+        if not holds(entry, start):
             raise StreamGone()
 
-        async def still_kept() -> bool:
+        async def still_kept(pos: int) -> bool:
             found = await self._get(owner, stream_id)
-            return found is not None and not found.evicted
+            return found is not None and holds(found, pos)
 
         async for piece in read_log(
             self.redis, self.followers, log, entry.kind == "replay", start, still_kept
@@ -234,13 +231,13 @@ class RedisStreams:
         try:
             await self._open(entry, replace, records)
         except TROUBLE as exc:
-            raise _unavailable(exc) from None
+            raise self._unavailable(exc) from None
 
     async def get(self, owner: int | None, stream_id: str) -> Entry | None:
         try:
             return await self._get(owner, stream_id)
         except TROUBLE as exc:
-            raise _unavailable(exc) from None
+            raise self._unavailable(exc) from None
 
     async def follow(
         self, owner: int | None, stream_id: str, start: int
@@ -253,8 +250,9 @@ class RedisStreams:
                 yield piece
         except TROUBLE as exc:
             if not started:
-                raise _unavailable(exc) from None
+                raise self._unavailable(exc) from None
             # The response already started: its stream ends here (reattaching resumes).
+            self.recovery.trouble()
             logger.warning("following %s failed: %s", stream_id[:100], exc)
         finally:
             await pieces.aclose()
@@ -263,19 +261,19 @@ class RedisStreams:
         try:
             return await self._lookup(owner, ids)
         except TROUBLE as exc:
-            raise _unavailable(exc) from None
+            raise self._unavailable(exc) from None
 
     async def request_cancel(self, owner: int | None, stream_id: str) -> Entry | None:
         try:
             return await self._mark(owner, stream_id, delete=False)
         except TROUBLE as exc:
-            raise _unavailable(exc) from None
+            raise self._unavailable(exc) from None
 
     async def delete(self, owner: int | None, stream_id: str) -> Entry | None:
         try:
             return await self._mark(owner, stream_id, delete=True)
         except TROUBLE as exc:
-            raise _unavailable(exc) from None
+            raise self._unavailable(exc) from None
 
     async def _mark(self, owner: int | None, stream_id: str, *, delete: bool) -> Entry | None:
         keys = list(self.keys_of(owner, stream_id))
@@ -283,7 +281,7 @@ class RedisStreams:
         if not reply:
             return None
         raw = {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
-        return _entry(owner, stream_id, raw)
+        return entry_of(owner, stream_id, raw)
 
     def writer(self, entry: Entry) -> RedisWriter:
         return RedisWriter(self, entry)
@@ -304,9 +302,10 @@ class RedisStreams:
         cutoff = time.time() - self.bounds.retain_secs
         for key, held in list(self.written.items()):
             if held.ended and held.ended <= cutoff:
-                self._uncount(key)
+                self.forget(key)
 
     async def aclose(self) -> None:
+        await self.recovery.aclose()
         await self.followers.aclose()
         await self.redis.aclose()
         if self.lean is not None:
@@ -318,9 +317,45 @@ class RedisStreams:
         """End a log whose writer (or, before one, whose client's process) is gone, with
         the error its client would have seen live. True when it did."""
         responsible = _text(raw.get(b"writer") or raw.get(b"origin") or b"")
-        if not responsible or await self.redis.exists(self.instances + responsible):
+        if not responsible:
+            return False
+        if not self.recovery.calm:
+            return False  # (its process may not have renewed its key on Redis yet)
+        if await self.redis.exists(self.instances + responsible):
             return False
         records, fields = orphan_ending(entry)
+        settled = await self._end_as(entry, records, fields)
+        if settled:
+            self.settled += 1
+            logger.warning(
+                "stream %s lost its writer (process %s is gone); ended it", entry.id, responsible
+            )
+        return settled
+
+    async def lose(self, owner: int | None, stream_id: str, gen: str) -> bool:
+        """End the log of ``owner``'s ``stream_id`` (of ``gen``, written here) where Redis
+        holds it, with the StreamLost error and its cut there: Redis lacks records its
+        writer had written (a master that failed over without them). True when it did;
+        raises Redis trouble."""
+        meta, _, _ = self.keys_of(owner, stream_id)
+        raw: dict[bytes, bytes] = await self.redis.hgetall(meta)  # type: ignore[assignment]
+        if not raw:
+            return False  # the new master never had it: unknown, as after a flush
+        held = entry_of(owner, stream_id, raw)
+        writer = _text(raw.get(b"writer") or b"")
+        if held.gen != gen or held.done or writer not in ("", self.instance):
+            return False
+        records, fields = lost_ending(held)
+        if not await self._end_as(held, records, fields):
+            return False
+        self.lost += 1
+        return True
+
+    async def _end_as(
+        self, entry: Entry, records: list[bytes], fields: dict[str, str | bytes]
+    ) -> bool:
+        """End ``entry``'s log with the relay's ``records`` and ``fields``, provided
+        nothing was written to it since it was read."""
         meta, log, _ = self.keys_of(entry.owner, entry.id)
         pairs: list[bytes | str] = []
         total = entry.total
@@ -333,32 +368,32 @@ class RedisStreams:
             entry.gen,
             "",
             str(entry.total),
+            "",
             int(self.bounds.retain_secs * 1000),
             f"{total}-2",
             len(fields),
             *flat,
             *pairs,
         ]
-        settled = _text(await self.end_script(keys=[meta, log], args=args)) == "ok"
-        if settled:
-            self.settled += 1
-            logger.warning(
-                "stream %s lost its writer (process %s is gone); ended it", entry.id, responsible
-            )
-        return settled
+        return _text(await self.end_script(keys=[meta, log], args=args)) == "ok"
+
+    def _unavailable(self, exc: BaseException) -> StreamsUnavailable:
+        self.recovery.trouble()
+        logger.warning("the store of resumable responses failed: %s", exc)
+        return StreamsUnavailable()
 
     def count(self, key: tuple[int | None, str], gen: str, size: int, ended: float) -> None:
         held = self.written.get(key)
         if held is None or held.gen != gen:
             if held is not None:
-                self._uncount(key)
-            held = self.written[key] = _Written(gen, 0)
+                self.forget(key)
+            held = self.written[key] = Written(gen, 0)
         self.bytes += size - held.size
         held.size = size
         if ended:
             held.ended = ended
 
-    def _uncount(self, key: tuple[int | None, str]) -> None:
+    def forget(self, key: Key) -> None:
         held = self.written.pop(key, None)
         if held is not None:
             self.bytes -= held.size
@@ -379,47 +414,4 @@ class RedisStreams:
                     self.evicted += 1
                     self.count(key, held.gen, ENTRY_OVERHEAD, held.ended)
                 else:
-                    self._uncount(key)
-
-
-def _unavailable(exc: BaseException) -> StreamsUnavailable:
-    logger.warning("the store of resumable responses failed: %s", exc)
-    return StreamsUnavailable()
-
-
-def _entry(owner: int | None, stream_id: str, raw: dict[bytes, bytes]) -> Entry:
-    def text(name: bytes, default: str = "") -> str:
-        value = raw.get(name)
-        return default if value is None else value.decode()
-
-    def number(name: bytes) -> float:
-        try:
-            return float(text(name, "0") or 0)
-        except ValueError:
-            return 0.0
-
-    unary = None
-    if b"unary_status" in raw:
-        try:
-            headers = msgspec.json.decode(raw.get(b"unary_headers") or b"{}")
-        except msgspec.DecodeError:
-            headers = {}
-        unary = Unary(int(number(b"unary_status")), headers, raw.get(b"unary_body") or b"")
-    state = text(b"state", "queued")
-    return Entry(
-        owner=owner,
-        id=stream_id,
-        kind="background" if text(b"kind") == "background" else "replay",
-        flavor=text(b"flavor", "openai"),  # type: ignore[arg-type]
-        created=number(b"created"),
-        ended=number(b"ended"),
-        state=state if state in ("queued", "running", "done") else "queued",  # type: ignore[arg-type]
-        outcome=text(b"outcome"),
-        first=int(number(b"first")),
-        total=int(number(b"total")),
-        size=int(number(b"size")),
-        evicted=raw.get(b"evicted") == b"1",
-        unary=unary,
-        response=raw.get(b"response") or b"",
-        gen=text(b"gen"),
-    )
+                    self.forget(key)

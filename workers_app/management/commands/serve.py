@@ -22,6 +22,7 @@ from modelrelay_site.logformat import JsonFormatter
 from modelrelay_site.servers import SERVERS
 from relay import __version__
 from relay.core.credentials import PREFIX_LEN
+from relay.server import control
 from workers_app.joining import release_holds
 from workers_app.models import WorkerSession
 from workers_app.services import (
@@ -89,11 +90,14 @@ class Command(BaseCommand):
             check_pepper(settings.SECRET_PEPPER)
         except PepperMismatch as exc:
             raise CommandError(str(exc)) from None
+        problem = control.redis_problem()
+        if problem is not None:
+            raise CommandError(problem)
         boot = bootstrap_default_provider(
             settings.PROVIDER_NAME, settings.WORKER_SECRET, settings.DATA_DIR
         )
         stale = close_stale_sessions()
-        if not settings.REDIS_URL:
+        if settings.REDIS_TARGET is None:
             # The only process: holds of joined workers left by one that was killed
             # would refuse them until they lapse (WORKER_LEASE_SECS).
             release_holds()

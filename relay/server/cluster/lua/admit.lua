@@ -20,6 +20,9 @@ local function held(key)
   return total
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+if redis.call('PTTL', KEYS[1]) < 0 then
+  redis.call('PEXPIRE', KEYS[1], 3600000)  -- (as beat.lua keeps it: never without an expiry)
+end
 local day_limit = tonumber(ARGV[5])
 local month_limit = tonumber(ARGV[6])
 local budgeted = day_limit > 0 or month_limit > 0

@@ -42,6 +42,7 @@ for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
 end
 if seq == 0 then
   seq = redis.call('INCR', P .. ':seq')
+  redis.call('PEXPIRE', P .. ':seq', 86400000)  -- (outlives every entry; no key without TTL)
 end
 local chosen, spilled = nil, '0'
 local anchor_key = P .. ':aff:' .. provider .. ':' .. anchor
@@ -73,6 +74,7 @@ if #ties > 0 then
     end
     table.sort(pool)
     local turn = redis.call('INCR', P .. ':rr:' .. provider)
+    redis.call('PEXPIRE', P .. ':rr:' .. provider, 86400000)
     wid = pool[(turn % #pool) + 1]
   end
   local proc = redis.call('HGET', P .. ':w:' .. wid, 'proc')
@@ -80,6 +82,9 @@ if #ties > 0 then
     lease_ms = own_lease_ms
   end
   redis.call('ZADD', P .. ':l:' .. wid, now + lease_ms, lease)
+  if redis.call('PTTL', P .. ':l:' .. wid) < 0 then  -- (announce.lua keeps it after this)
+    redis.call('PEXPIRE', P .. ':l:' .. wid, lease_ms)
+  end
   if anchor ~= '' then
     redis.call('SET', anchor_key, wid, 'PX', anchor_ttl)
   end

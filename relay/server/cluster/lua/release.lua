@@ -52,6 +52,9 @@ end
 local function take(lane, found)
   unqueue(P, provider, lane, found[1])
   redis.call('ZADD', leases, now + lease_ms, found[1])
+  if redis.call('PTTL', leases) < 0 then  -- (announce.lua keeps it after this)
+    redis.call('PEXPIRE', leases, lease_ms)
+  end
   local address = redis.call('GET', P .. ':proc:' .. w[1]) or ''
   local where = wid .. ' ' .. w[1] .. ' ' .. address
   redis.call('SET', P .. ':pl:' .. found[1], where, 'PX', lease_ms)
