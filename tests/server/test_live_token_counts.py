@@ -78,13 +78,13 @@ async def test_an_absurd_count_is_dropped_and_the_worker_keeps_serving(relay_ser
                     '{"prompt_tokens":4,"completion_tokens":5}',  # the same socket serves on
                 ):
                     call = asyncio.ensure_future(chat())
-                    request = await expect(ws, protocol.Request)
+                    request = await expect(ws, protocol.Request, timeout=30)
                     await ws.send(complete(request.request_id, counts))
                     answers.append(await call)
                 assert [a.status_code for a in answers] == [200, 200, 200]
                 # Charged 2 + 3 + 9 of its 100 tokens, not 2**64: the key still runs.
                 last = asyncio.ensure_future(chat())
-                request = await expect(ws, protocol.Request)
+                request = await expect(ws, protocol.Request, timeout=30)
                 await ws.send(complete(request.request_id, '{"prompt_tokens":1}'))
                 assert (await last).status_code == 200
                 stats = await http.get("/admin/stats", headers={"Authorization": f"Bearer {ADMIN}"})
