@@ -110,6 +110,9 @@ U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 #: msgspec bounds only what fits an int64: the upper end is checked in ``__post_init__``.
 U64 = Annotated[int, msgspec.Meta(ge=0)]
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]
+#: Milliseconds a backend says it spent (llama-server's ``timings``): a day at most.
+MAX_BACKEND_MS = 86_400_000.0
+BackendMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_BACKEND_MS)]
 Timestamp = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMESTAMP_MS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 ShortText = Annotated[str, msgspec.Meta(max_length=1024)]
@@ -124,6 +127,11 @@ class TokenCounts(msgspec.Struct, omit_defaults=True):
     #: True when the backend reported no usage and the worker counted the stream
     #: itself (an estimate, labelled as such wherever the figure is shown).
     estimated: bool = False
+    #: What the backend says it spent on the prompt tokens it processed (those it did
+    #: not find cached) and on generating, in milliseconds: llama-server's
+    #: ``timings.prompt_ms`` and ``predicted_ms`` (optional; SPEC §21, learned speeds).
+    prefill_ms: BackendMs | None = None
+    decode_ms: BackendMs | None = None
 
 
 class ModelState(msgspec.Struct, omit_defaults=True):

@@ -11,7 +11,8 @@ without it. A stream that still reports no usage is counted by the worker itself
 the figure is marked ``estimated``.
 
 llama-server reports its ``timings`` (prompt tokens processed and reused, tokens
-predicted) on the last chunk of every stream, and on the usage chunk instead once usage
+predicted, and the milliseconds each took, which the relay learns speeds from) on the
+last chunk of every stream, and on the usage chunk instead once usage
 is asked for: the worker then passes that chunk on without its ``usage``, and, having
 seen a backend report timings, stops asking it (:attr:`UsageScanner.timings`), so that
 its later streams reach the client exactly as they left the backend and are charged
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from relay.wire.protocol import TokenCounts
+from relay.wire.protocol import MAX_BACKEND_MS, TokenCounts
 
 _USAGE = re.compile(rb'"(?:usage|timings)"\s*:\s*\{')
 #: Endpoints whose streams report usage only when asked (OpenAI's convention).
@@ -41,6 +42,15 @@ _MAX_PARTIAL_LINE = 1024 * 1024
 
 def _count(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
+
+
+def _ms(value: object) -> float | None:
+    """A duration in milliseconds as a backend reported it, if it is one the relay takes
+    (a finite number from 0 to a day): anything else is left out, never sent."""
+    if type(value) not in (int, float):
+        return None
+    ms = float(value)  # type: ignore[arg-type]
+    return ms if 0.0 <= ms <= MAX_BACKEND_MS else None  # (NaN fails both)
 
 
 def _cached(doc: dict[str, object]) -> int | None:
@@ -80,8 +90,10 @@ class UsageScanner:
         "_partial",
         "cached",
         "completion",
+        "decode_ms",
         "estimate_prompt",
         "events",
+        "prefill_ms",
         "prompt",
         "timings",
         "total",
@@ -98,8 +110,11 @@ class UsageScanner:
         #: in for usage the backend does not report.
         self.estimate_prompt: int | None = None
         self.events = 0
-        #: The backend reported llama-server's ``timings`` (with its token counts).
+        #: The backend reported llama-server's ``timings`` (with its token counts), and
+        #: the milliseconds they say the prompt and the generation took (SPEC §21).
         self.timings = False
+        self.prefill_ms: float | None = None
+        self.decode_ms: float | None = None
 
     def estimate(self, body_bytes: int) -> None:
         """Count this stream, for an estimate should the backend report no usage."""
@@ -183,6 +198,8 @@ class UsageScanner:
         if processed is None or predicted is None:
             return
         self.timings = True
+        self.prefill_ms = _ms(timings.get("prompt_ms"))
+        self.decode_ms = _ms(timings.get("predicted_ms"))
         if usage_too:
             return  # the usage object is what the backend counts as billed
         prompt = processed + (_count(timings.get("cache_n")) or 0)
@@ -204,6 +221,8 @@ class UsageScanner:
                     total_tokens=prompt + completion,
                     cached_tokens=self.cached,
                     estimated=True,
+                    prefill_ms=self.prefill_ms,
+                    decode_ms=self.decode_ms,
                 )
             if self.cached is None:
                 return None
@@ -215,6 +234,8 @@ class UsageScanner:
             completion_tokens=self.completion,
             total_tokens=total,
             cached_tokens=self.cached,
+            prefill_ms=self.prefill_ms,
+            decode_ms=self.decode_ms,
         )
 
 
