@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from relay.core.affinity import AffinityConfig
+from relay.core.deadlines import DeadlineConfig
+from relay.core.hedging import HedgeConfig
+from relay.core.rates import SpeedConfig
 from relay.wire.protocol import ACCEPTED_PROTOCOL_VERSIONS
 
 MIB = 1024 * 1024
@@ -65,6 +68,11 @@ class RelayConfig:
     model_load_timeout: float = 300.0
     model_scale_out_wait: float = 10.0
     model_idle_unload: float = 0.0
+    #: Speed-aware routing (SPEC §21): how speeds are learned (RATES_*), first-token
+    #: deadlines' defaults per class (DEADLINE_MS_*), hedging (HEDGE_*).
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    hedging: HedgeConfig = field(default_factory=HedgeConfig)
 
 
 @dataclass(frozen=True, slots=True)

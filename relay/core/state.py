@@ -33,7 +33,9 @@ if TYPE_CHECKING:
     from asyncio import Future, TimerHandle
 
     from relay.core.affinity import Affinity
+    from relay.core.hedging import Hedge
     from relay.core.limits import Ticket
+    from relay.core.rates import Speed
     from relay.wire.protocol import ServerMessage, TokenCounts
 
 
@@ -67,21 +69,26 @@ class RelayRequest:
         "_events",
         "_waiter",
         "affinity",
+        "ahead_tokens",
         "assigned_at",
         "awaits_load",
         "body",
         "buffer",
+        "cached_guess",
         "cluster_seq",
         "created",
         "created_wall",
         "deadline",
+        "deadline_ms",
         "delivered",
         "endpoint_path",
         "enqueued_at",
         "finished_at",
         "first_byte_at",
+        "first_token_by",
         "flavor",
         "headers",
+        "hedge",
         "id",
         "is_streaming",
         "key_id",
@@ -92,7 +99,11 @@ class RelayRequest:
         "paused",
         "pending",
         "phase",
+        "predicted",
         "preemptions",
+        "prefill_end",
+        "prefill_secs",
+        "prompt_bytes",
         "provider",
         "queue_deadline",
         "queue_wait",
@@ -101,6 +112,7 @@ class RelayRequest:
         "requeues",
         "seq",
         "service_class",
+        "start_by",
         "status",
         "streamed_bytes",
         "ticket",
@@ -203,6 +215,26 @@ class RelayRequest:
         #: Models on demand (SPEC §19): it waited in the queue for its model to be
         #: loaded (its queue deadline is then MODEL_LOAD_TIMEOUT_SECS's).
         self.awaits_load = False
+        #: Speed-aware routing (SPEC §21): the bytes of its prompt's fields (what its
+        #: tokens are estimated from; 0: unknown), and, since it was last sent to a
+        #: worker, what was predicted there: its time to first token (seconds), the
+        #: prefill work ahead of it (that worker's prompt tokens), the prompt tokens
+        #: predicted cached there, and when and for how long its own prefill (loop time,
+        #: 0 once it started answering or left). See :mod:`relay.core.prediction`.
+        self.prompt_bytes = 0
+        self.predicted = 0.0
+        self.ahead_tokens = 0.0
+        self.cached_guess = 0.0
+        self.prefill_end = 0.0
+        self.prefill_secs = 0.0
+        #: Its first-token deadline (SPEC §21, :mod:`relay.core.deadlines`): as stated
+        #: (ms, 0: none), as loop time (0.0: none), and the last moment it may leave the
+        #: queue to meet it (0.0: not bounded by it).
+        self.deadline_ms = 0
+        self.first_token_by = 0.0
+        self.start_by = 0.0
+        #: Its second attempt while it is hedged (:mod:`relay.core.hedging`), else None.
+        self.hedge: Hedge | None = None
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -370,6 +402,11 @@ class Worker:
     ops: dict[str, ModelOp] = field(default_factory=dict)
     #: model -> its loads, unloads and load times (shown per worker and model).
     model_counts: dict[str, ModelCounts] = field(default_factory=dict)
+    #: Speed-aware routing (SPEC §21): model -> its learned speed here
+    #: (:mod:`relay.core.rates`), and the loop time its backend is predicted to be
+    #: through the prompts it was sent (:mod:`relay.core.prediction`).
+    speed: dict[str, Speed] = field(default_factory=dict)
+    busy_until: float = 0.0
 
     @property
     def load(self) -> int:

@@ -1,0 +1,536 @@
+"""Learned speeds (SPEC §21): how fast each worker prefills and decodes each model.
+
+Boxes differ: a 4090 and a 3060 serve the same model at very different speeds, and a box
+whose GPU is shared slows down when its owner plays a game. For each (worker, model) the
+relay keeps a :class:`Speed`, fed by every request that worker finished
+(:meth:`Rates.observe`), from what the relay sees anyway:
+
+- time to first byte (measured from the request's dispatch, for streams) against the
+  prompt tokens the backend had to process: those it reported (``prompt_tokens`` less
+  ``cached_tokens``, the closed loop of cache-aware routing), plus the prefill work
+  predicted to be ahead of it on that worker when it was sent there, in the same
+  tokens (:mod:`relay.core.prediction`). A weighted least-squares line through them
+  gives the worker's fixed overhead (its intercept) and its seconds per prompt token
+  (its slope);
+- llama-server's ``timings`` when the backend reports them (``prefill_ms``,
+  ``decode_ms`` in ``token_counts``): the backend's own prefill time for a request that
+  had nothing ahead of it pins the slope down;
+- completion tokens over the time from first byte to the end (or ``decode_ms``): the
+  decode rate; and each request's whole time on the worker: its service time.
+
+Every sum decays with a half-life (RATES_HALF_LIFE_SECS), so a box that slows down is
+noticed within about one half-life, and what was learned about a box that stopped
+getting requests fades back to the fleet's view of it. That view is each model's
+*fleet median* over the workers that serve it, which a worker with no history borrows
+outright and every worker's own estimate is pulled towards, with the weight of
+``prior_weight`` requests: its *confidence* is ``n / (n + prior_weight)``, ``n`` the
+decayed count of its own samples. A model no worker has served yet gets the config's
+defaults.
+
+The relay has no tokenizer: a prompt's token count is its bytes (the prompt fields of
+the body, :class:`relay.core.affinity.Prompt`) over the model's bytes per token, learned
+the same way from the prompt tokens backends report.
+
+Everything here is bounded: speeds live on their worker (:attr:`Worker.speed`) and go
+with it; the per-model table holds the workers that serve a model and at most
+:data:`MAX_MODELS` models' bytes per token. Like the rest of the core it runs on the
+event loop; reading a speed costs a few attribute lookups (its fit is redone at most
+every :data:`REFIT_SECS`), so predictions stay cheap enough to make for every request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from relay.core.state import RelayRequest, Worker
+    from relay.wire.protocol import TokenCounts
+
+#: A speed's fit is redone from its sums at most this often (and after each sample).
+REFIT_SECS = 1.0
+#: Models whose bytes per token are remembered (least recently learned dropped).
+MAX_MODELS = 4096
+#: Residuals kept per speed for the spread of its predictions (see :meth:`Speed.spread`).
+RING = 64
+#: The quantiles' z-scores: a prediction times ``spread(z)`` is that quantile.
+Z90 = 1.2816
+Z95 = 1.6449
+#: Bounds on what is believed: far outside anything real, so nothing divides by zero.
+MIN_SECS_PER_TOKEN = 1e-7  # ten million tokens a second
+MAX_SECS_PER_TOKEN = 10.0
+MAX_OVERHEAD = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedConfig:
+    """How speeds are learned (the RATES_* settings)."""
+
+    #: Seconds after which a sample counts half as much (RATES_HALF_LIFE_SECS).
+    half_life: float = 120.0
+    #: How many requests' worth the fleet median weighs against a worker's own samples.
+    prior_weight: float = 2.0
+    #: What is assumed of a model no worker has served yet: prefill and decode tokens a
+    #: second, the fixed overhead of a request, its time on a worker, bytes per token.
+    prefill: float = 2000.0
+    decode: float = 30.0
+    overhead: float = 0.05
+    service: float = 10.0
+    bytes_per_token: float = 4.0
+
+
+class Fit(NamedTuple):
+    """A speed as predictions use it."""
+
+    #: Seconds per prompt token processed, and the fixed seconds before the first byte.
+    secs_per_token: float
+    overhead: float
+    #: Completion tokens a second, and seconds a request spends on the worker.
+    decode: float
+    service: float
+
+
+def _clamp(value: float, low: float, high: float) -> float:
+    return low if value < low else high if value > high else value
+
+
+class Speed:
+    """One worker's speed on one model: decayed sums, and the fit made of them."""
+
+    __slots__ = (
+        "_residuals",
+        "_turn",
+        "at",
+        "confidence",
+        "decode",
+        "dn",
+        "ds",
+        "fitted",
+        "measured",
+        "n",
+        "overhead",
+        "own",
+        "pf",
+        "pn",
+        "predicted",
+        "samples",
+        "secs_per_token",
+        "service",
+        "spread90",
+        "spread95",
+        "sx",
+        "sxx",
+        "sxy",
+        "sy",
+        "tn",
+        "ts",
+        "vn",
+        "vs",
+    )
+
+    def __init__(self, now: float, prior: Fit) -> None:
+        self.at = now
+        # Time to first byte (y, seconds) against prompt tokens processed (x): weight,
+        # sums of x, y, x², xy.
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        # The backend's own prefill times (requests with nothing ahead): tokens, seconds.
+        self.tn = self.ts = 0.0
+        # Decode: completion tokens and seconds; service: requests, seconds, and the
+        # prefill seconds each was predicted to need.
+        self.dn = self.ds = 0.0
+        self.vn = self.vs = self.pf = 0.0
+        # Predicted and measured time to first byte (decayed sums over ``pn``).
+        self.pn = self.predicted = self.measured = 0.0
+        #: Requests learned from, ever (not decayed).
+        self.samples = 0
+        self._residuals: list[float] = []
+        self._turn = 0
+        self.spread90 = 1.6
+        self.spread95 = 2.0
+        self.secs_per_token, self.overhead, self.decode, self.service = prior
+        #: Its own line, before the fleet's is blended in (what the fleet's median is
+        #: made of, so that no worker's view of the others feeds back into it).
+        self.own = prior
+        self.confidence = 0.0
+        self.fitted = now
+
+    # -- learning ---------------------------------------------------------------------
+
+    def decay(self, now: float, half_life: float) -> None:
+        """Age every sum to ``now``."""
+        elapsed = now - self.at
+        if elapsed <= 0.0:
+            return
+        self.at = now
+        f = 0.5 ** (elapsed / half_life)
+        self.n *= f
+        self.sx *= f
+        self.sy *= f
+        self.sxx *= f
+        self.sxy *= f
+        self.tn *= f
+        self.ts *= f
+        self.dn *= f
+        self.ds *= f
+        self.vn *= f
+        self.vs *= f
+        self.pf *= f
+        self.pn *= f
+        self.predicted *= f
+        self.measured *= f
+
+    def first_byte(self, tokens: float, seconds: float) -> None:
+        """A sample of time to first byte: ``seconds`` for ``tokens`` processed."""
+        self.n += 1.0
+        self.sx += tokens
+        self.sy += seconds
+        self.sxx += tokens * tokens
+        self.sxy += tokens * seconds
+
+    def prefill_timing(self, tokens: float, seconds: float) -> None:
+        """The backend's own time for ``tokens`` prompt tokens, nothing ahead of them."""
+        self.tn += tokens
+        self.ts += seconds
+
+    def decoded(self, tokens: float, seconds: float) -> None:
+        self.dn += tokens
+        self.ds += seconds
+
+    def served(self, seconds: float, prefill: float) -> None:
+        self.vn += 1.0
+        self.vs += seconds
+        self.pf += prefill
+
+    def checked(self, predicted: float, measured: float) -> None:
+        """A prediction of time to first byte against what it measured."""
+        self.pn += 1.0
+        self.predicted += predicted
+        self.measured += measured
+        if predicted <= 0.0 or measured <= 0.0:
+            return
+        residual = math.log(measured / predicted)
+        ring = self._residuals
+        if len(ring) < RING:
+            ring.append(residual)
+        else:
+            ring[self._turn] = residual
+            self._turn = (self._turn + 1) % RING
+        if len(ring) >= 8 and (len(ring) < RING or self._turn % 8 == 0):
+            self._spread()
+
+    def _spread(self) -> None:
+        """The spread of measured over predicted, from the median and the median absolute
+        deviation of their log ratio: robust, so a few stalls (the ones hedging is for)
+        do not hide the ordinary spread behind them."""
+        ordered = sorted(self._residuals)
+        middle = len(ordered) // 2
+        median = ordered[middle]
+        deviations = sorted(abs(r - median) for r in ordered)
+        sigma = 1.4826 * deviations[middle]
+        self.spread90 = _clamp(math.exp(median + Z90 * sigma), 1.0, 20.0)
+        self.spread95 = _clamp(math.exp(median + Z95 * sigma), 1.0, 20.0)
+
+    # -- what it says -----------------------------------------------------------------
+
+    def fit(self, now: float, prior: Fit, config: SpeedConfig) -> None:
+        """Redo the fit from the sums (aged to ``now``), pulled towards ``prior``."""
+        self.decay(now, config.half_life)
+        self.fitted = now
+        k = config.prior_weight
+        n = self.n
+        self.confidence = n / (n + k) if n + k > 0 else 0.0
+        # The worker's own line: a ridge regression whose small pull towards the prior
+        # (a0, b0) only settles what its samples cannot (prompts of one size: the excess
+        # over the prior then goes to the per-token rate, the intercept's pull being the
+        # stronger). The backend's own prefill times, when it reports some, weigh on
+        # the slope as the samples they are. Then the line is blended with the fleet's
+        # by confidence, so a worker's own samples fade into the fleet's as they decay.
+        scale = max(self.sx / n if n > 0.0 else 1.0, 1.0)
+        a0 = prior.overhead
+        b0 = prior.secs_per_token
+        pull = k * 1e-4
+        timed = 0.0
+        if self.tn > 0.0 and self.ts > 0.0:
+            b0 = self.ts / self.tn
+            timed = self.tn / scale
+        ka = k * 0.1
+        kb = (pull + timed) * scale * scale
+        m00 = n + ka
+        m01 = self.sx
+        m11 = self.sxx + kb
+        r0 = self.sy + ka * a0
+        r1 = self.sxy + kb * b0
+        det = m00 * m11 - m01 * m01
+        if det > 0.0:
+            a = (r0 * m11 - m01 * r1) / det
+            b = (m00 * r1 - m01 * r0) / det
+        else:
+            a, b = a0, b0
+        if b < MIN_SECS_PER_TOKEN or a < 0.0:
+            # The line fell outside what is physical (noise on a narrow range of sizes):
+            # keep the prior's intercept share and put the rest on the slope.
+            a = _clamp(a, 0.0, MAX_OVERHEAD)
+            mean_y = (self.sy + ka * a0) / m00
+            mean_x = (self.sx + ka * scale) / m00
+            b = (mean_y - a) / mean_x if mean_x > 0 else b0
+        c = self.confidence
+        b = _clamp(b, MIN_SECS_PER_TOKEN, MAX_SECS_PER_TOKEN)
+        a = _clamp(a, 0.0, MAX_OVERHEAD)
+        self.secs_per_token = c * b + (1.0 - c) * prior.secs_per_token
+        self.overhead = c * a + (1.0 - c) * prior.overhead
+        # Decode and service: ratios of sums, each with the prior's weight.
+        decode_secs_per_token = (self.ds + k / prior.decode) / (self.dn + k)
+        self.decode = 1.0 / decode_secs_per_token if decode_secs_per_token > 0 else prior.decode
+        self.service = (self.vs + k * prior.service) / (self.vn + k)
+        self.own = Fit(
+            b if n > 0.0 else prior.secs_per_token,
+            a if n > 0.0 else prior.overhead,
+            self.dn / self.ds if self.ds > 0.0 else prior.decode,
+            self.vs / self.vn if self.vn > 0.0 else prior.service,
+        )
+
+    def current(self) -> Fit:
+        return Fit(self.secs_per_token, self.overhead, self.decode, self.service)
+
+    @property
+    def prefill(self) -> float:
+        """Prompt tokens a second."""
+        return 1.0 / self.secs_per_token
+
+    @property
+    def per_load(self) -> float:
+        """The wait one request in flight is predicted to add for a newcomer (seconds):
+        its prefill, times the share of its time it spends prefilling (cluster mode
+        predicts from loads, :mod:`relay.server.cluster.speeds`)."""
+        if self.vn <= 0.0 or self.service <= 0.0:
+            return 0.0
+        prefill = self.pf / self.vn
+        return min(prefill, prefill * prefill / self.service)
+
+    @classmethod
+    def shared(cls, now: float, fit: Fit, own: Fit, confidence: float, samples: int) -> Speed:
+        """What another process learned of one of its workers, as it shared it: its fit,
+        and its own line (what the fleet's median is made of)."""
+        speed = cls(now, fit)
+        speed.own = own
+        speed.confidence = confidence
+        speed.samples = samples
+        # (Counts as recent history for the median while the worker's own samples
+        # weigh at least as much as the fleet's there.)
+        speed.n = 1.0 if confidence >= 0.5 else 0.0
+        speed.fitted = math.inf  # never refitted here: it has no sums
+        return speed
+
+    def describe(self) -> dict[str, float | int | None]:
+        """For ``/admin/workers``, the dashboard and ``/metrics``."""
+        pn = self.pn
+        return {
+            "prefill_tokens_per_sec": round(self.prefill, 1),
+            "decode_tokens_per_sec": round(self.decode, 2),
+            "overhead_ms": round(self.overhead * 1000, 1),
+            "service_secs": round(self.service, 3),
+            "confidence": round(self.confidence, 3),
+            "samples": self.samples,
+            "predicted_ttft_ms": round(1000 * self.predicted / pn, 1) if pn > 0.01 else None,
+            "measured_ttft_ms": round(1000 * self.measured / pn, 1) if pn > 0.01 else None,
+            "p95_over_predicted": round(self.spread95, 3),
+        }
+
+
+class _Model:
+    """One model across the fleet: who serves it, its median speed, its bytes per token."""
+
+    __slots__ = ("median", "median_at", "members")
+
+    def __init__(self, default: Fit) -> None:
+        #: worker id -> its speed (workers connected here, and in cluster mode the
+        #: speeds the other processes share).
+        self.members: dict[str, Speed] = {}
+        self.median = default
+        self.median_at = -math.inf
+
+
+class Rates:
+    """Every speed the relay knows; one per relay (see the module docstring)."""
+
+    def __init__(self, config: SpeedConfig) -> None:
+        self.config = config
+        self.default = Fit(1.0 / config.prefill, config.overhead, config.decode, config.service)
+        self._models: dict[str, _Model] = {}
+        #: Cluster mode: worker id -> model -> what another process shared of it.
+        self._remote: dict[str, dict[str, Speed]] = {}
+        #: model -> decayed (prompt bytes, prompt tokens, when), least recently learned first.
+        self._bytes: OrderedDict[str, list[float]] = OrderedDict()
+
+    # -- reading ------------------------------------------------------------------------
+
+    def prior(self, model: str, now: float) -> Fit:
+        """The fleet median of ``model``'s speeds (the defaults while none is known)."""
+        entry = self._models.get(model)
+        if entry is None:
+            return self.default
+        if now - entry.median_at > REFIT_SECS:
+            entry.median_at = now
+            entry.median = self._median(entry)
+        return entry.median
+
+    def _median(self, entry: _Model) -> Fit:
+        """The median of the members' own lines (of those with a sample's worth of
+        recent history, else of all that ever had one)."""
+        known = [s.own for s in entry.members.values() if s.samples > 0 and s.n >= 1.0]
+        if not known:
+            known = [s.own for s in entry.members.values() if s.samples > 0]
+        if not known:
+            return self.default
+        middle = len(known) // 2
+
+        def median(values: list[float]) -> float:
+            values.sort()
+            if len(values) % 2:
+                return values[middle]
+            return (values[middle - 1] + values[middle]) / 2
+
+        return Fit(
+            median([f.secs_per_token for f in known]),
+            median([f.overhead for f in known]),
+            median([f.decode for f in known]),
+            median([f.service for f in known]),
+        )
+
+    def fit(self, worker: Worker, model: str, now: float) -> Fit:
+        """``worker``'s speed on ``model`` now (the fleet's while it has none)."""
+        speed = worker.speed.get(model)
+        if speed is None:
+            return self.prior(model, now)
+        if now - speed.fitted > REFIT_SECS:
+            speed.fit(now, self.prior(model, now), self.config)
+        return Fit(speed.secs_per_token, speed.overhead, speed.decode, speed.service)
+
+    def speed(self, worker: Worker, model: str, now: float) -> Speed:
+        """``worker``'s :class:`Speed` on ``model``, made (from the fleet's) if new."""
+        speed = worker.speed.get(model)
+        if speed is None:
+            speed = worker.speed[model] = Speed(now, self.prior(model, now))
+            entry = self._models.get(model)
+            if entry is None:
+                entry = self._models[model] = _Model(self.default)
+            entry.members[worker.id] = speed
+        return speed
+
+    def bytes_per_token(self, model: str) -> float:
+        learned = self._bytes.get(model)
+        if learned is None or learned[1] < 1.0:
+            return self.config.bytes_per_token
+        return learned[0] / learned[1]
+
+    def tokens(self, model: str, prompt_bytes: int) -> float:
+        """The prompt tokens ``prompt_bytes`` of a prompt for ``model`` make, estimated."""
+        return prompt_bytes / self.bytes_per_token(model)
+
+    # -- learning -----------------------------------------------------------------------
+
+    def observe(
+        self,
+        request: RelayRequest,
+        worker: Worker,
+        counts: TokenCounts | None,
+        now: float,
+        status: int,
+    ) -> None:
+        """``worker`` finished ``request`` (``now``, with ``status``): learn from it.
+
+        Only what a backend that answered tells: an error status teaches nothing of
+        speeds. The time to first byte counts for streams (a whole answer's first byte
+        is its last) unless the backend reported its own prefill time."""
+        if status >= 400 or request.assigned_at <= 0.0:
+            return
+        config = self.config
+        speed = self.speed(worker, request.model, now)
+        speed.decay(now, config.half_life)
+        speed.samples += 1
+        speed.served(now - request.assigned_at, request.prefill_secs)
+        prompt = counts.prompt_tokens if counts is not None else None
+        cached = counts.cached_tokens if counts is not None else None
+        if prompt is not None and counts is not None and not counts.estimated:
+            self._learn_bytes(request.model, request.prompt_bytes, prompt, now)
+        if prompt is None:
+            prompt_seen = self.tokens(request.model, request.prompt_bytes)
+            processed = max(0.0, prompt_seen - request.cached_guess)
+        else:
+            processed = float(max(0, prompt - (cached or 0)))
+        first = request.first_byte_at
+        prefill_ms = counts.prefill_ms if counts is not None else None
+        if request.is_streaming and first is not None and first >= request.assigned_at:
+            ttfb = first - request.assigned_at
+            speed.first_byte(processed + request.ahead_tokens, ttfb)
+            if request.predicted > 0.0:
+                speed.checked(request.predicted, ttfb)
+            completion = counts.completion_tokens if counts is not None else None
+            decode_ms = counts.decode_ms if counts is not None else None
+            if decode_ms and completion:
+                speed.decoded(completion, decode_ms / 1000)
+            elif completion and completion > 1 and now > first:
+                speed.decoded(completion - 1, now - first)
+        elif counts is not None and counts.decode_ms and counts.completion_tokens:
+            speed.decoded(counts.completion_tokens, counts.decode_ms / 1000)
+        if prefill_ms is not None and processed > 0 and request.ahead_tokens <= 0.0:
+            speed.prefill_timing(processed, prefill_ms / 1000)
+        speed.fit(now, self.prior(request.model, now), config)
+        if speed.samples == 1:  # a new member of the fleet's median, its line made now
+            self._models[request.model].median_at = -math.inf
+
+    def _learn_bytes(self, model: str, prompt_bytes: int, tokens: int, now: float) -> None:
+        if prompt_bytes <= 0 or tokens <= 0:
+            return
+        learned = self._bytes.get(model)
+        if learned is None:
+            learned = self._bytes[model] = [0.0, 0.0, now]
+            while len(self._bytes) > MAX_MODELS:
+                self._bytes.popitem(last=False)
+        else:
+            self._bytes.move_to_end(model)
+            f = 0.5 ** (max(0.0, now - learned[2]) / self.config.half_life)
+            learned[0] *= f
+            learned[1] *= f
+            learned[2] = now
+        learned[0] += prompt_bytes
+        learned[1] += tokens
+
+    # -- membership ---------------------------------------------------------------------
+
+    def forget(self, worker: Worker) -> None:
+        """``worker`` left: its speeds leave the fleet's median (they go with it)."""
+        for model in worker.speed:
+            entry = self._models.get(model)
+            if entry is None:
+                continue
+            entry.members.pop(worker.id, None)
+            entry.median_at = -math.inf
+            if not entry.members:
+                del self._models[model]
+
+    def share(self, remote: dict[str, dict[str, Speed]]) -> None:
+        """Cluster mode: the speeds the other processes learned of their workers (worker
+        id -> model -> speed), all of them, replacing the last: they count in each
+        model's fleet median like the local ones."""
+        for worker_id, models in self._remote.items():
+            for model in models:
+                entry = self._models.get(model)
+                if entry is not None and remote.get(worker_id, {}).get(model) is None:
+                    entry.members.pop(worker_id, None)
+                    entry.median_at = -math.inf
+                    if not entry.members:
+                        del self._models[model]
+        for worker_id, models in remote.items():
+            for model, speed in models.items():
+                entry = self._models.get(model)
+                if entry is None:
+                    entry = self._models[model] = _Model(self.default)
+                entry.members[worker_id] = speed
+                entry.median_at = -math.inf
+        self._remote = remote
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
