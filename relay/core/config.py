@@ -10,12 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from relay.core.affinity import AffinityConfig
-from relay.core.deadlines import DeadlineConfig
-from relay.core.hedging import HedgeConfig
 from relay.core.rates import SpeedConfig
 from relay.wire.protocol import ACCEPTED_PROTOCOL_VERSIONS
 
 MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineConfig:
+    """First-token deadlines (SPEC §21, :mod:`relay.core.deadlines`), the DEADLINE_MS_*
+    settings: priority class -> the deadline (milliseconds) of a request of that class
+    that states none and whose key gives none (absent: none)."""
+
+    by_class: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HedgeConfig:
+    """Hedged priority streams (SPEC §21, :mod:`relay.core.hedging`), the HEDGE_* settings."""
+
+    #: The most hedges, as a share of ``priority`` requests (HEDGE_MAX_SHARE; 0: off).
+    max_share: float = 0.0
+    #: The least time a ``priority`` stream waits for its first byte before it is
+    #: hedged (HEDGE_MIN_DELAY_MS), whatever its predicted p95.
+    min_delay: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
 from relay.core.state import RelayRequest, Worker
@@ -48,14 +47,6 @@ MAX_DEADLINE_MS: Final = 3_600_000
 #: requests that left the queue at their last moment, and of those that got a first
 #: byte, those that got it in time and those that did not.
 RESULTS: Final = ("refused", "expired", "met", "missed")
-
-
-@dataclass(frozen=True, slots=True)
-class DeadlineConfig:
-    """The DEADLINE_MS_* settings: priority class -> the deadline (milliseconds) of a
-    request of that class that states none and whose key gives none (absent: none)."""
-
-    by_class: dict[str, int] = field(default_factory=dict)
 
 
 def parse(value: bytes | None) -> int | None:

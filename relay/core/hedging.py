@@ -39,11 +39,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from relay.core.classes import PRIORITY
-from relay.core.state import Phase, RelayRequest, Worker
+from relay.core.state import ARMED, RACING, SETTLED, Hedge, Phase, RelayRequest, Worker
 from relay.wire import protocol
 
 if TYPE_CHECKING:
@@ -56,56 +55,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("relay")
 
-#: A hedge's life: its timer runs (``ARMED``), the second attempt is out (``RACING``),
-#: it is settled or was never needed (``SETTLED``).
-ARMED: Final = 1
-RACING: Final = 2
-SETTLED: Final = 3
 #: How many hedges the share may let through at once after a quiet spell.
 BURST: Final = 3.0
 #: What is counted (``/admin/stats``, ``/metrics``): hedges sent, won by the second
 #: attempt, lost to the first, ended by a failure of one attempt; and timers that fired
 #: without a hedge, for the share or for a saturated pool.
 RESULTS: Final = ("sent", "won", "lost", "failed", "over_share", "saturated")
-
-
-@dataclass(frozen=True, slots=True)
-class HedgeConfig:
-    """The HEDGE_* settings."""
-
-    #: The most hedges, as a share of ``priority`` requests (HEDGE_MAX_SHARE; 0: off).
-    max_share: float = 0.0
-    #: The least time a ``priority`` stream waits for its first byte before it is
-    #: hedged (HEDGE_MIN_DELAY_MS), whatever its predicted p95.
-    min_delay: float = 0.05
-
-
-class Hedge:
-    """A request's second attempt (see the module docstring)."""
-
-    __slots__ = (
-        "ahead",
-        "cached",
-        "end",
-        "predicted",
-        "secs",
-        "sent_at",
-        "state",
-        "timer",
-        "worker",
-    )
-
-    def __init__(self) -> None:
-        self.state = ARMED
-        self.timer: asyncio.TimerHandle | None = None
-        #: The second attempt's worker while it races; its dispatch and prediction.
-        self.worker: Worker | None = None
-        self.sent_at = 0.0
-        self.predicted = 0.0
-        self.end = 0.0
-        self.secs = 0.0
-        self.cached = 0.0
-        self.ahead = 0.0
 
 
 class Hedging:

@@ -43,11 +43,44 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from relay.core.state import RelayRequest, Worker
     from relay.wire.protocol import TokenCounts
+
+
+class Worker(Protocol):
+    """What learning reads of a worker (:class:`relay.core.state.Worker`)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def speed(self) -> dict[str, Speed]: ...
+
+
+class RelayRequest(Protocol):
+    """What learning reads of a finished request (:class:`relay.core.state.RelayRequest`):
+    what it was, and what was predicted and measured where it ran."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def is_streaming(self) -> bool: ...
+    @property
+    def prompt_bytes(self) -> int: ...
+    @property
+    def assigned_at(self) -> float: ...
+    @property
+    def first_byte_at(self) -> float | None: ...
+    @property
+    def predicted(self) -> float: ...
+    @property
+    def ahead_tokens(self) -> float: ...
+    @property
+    def cached_guess(self) -> float: ...
+    @property
+    def prefill_secs(self) -> float: ...
+
 
 #: A speed's fit is redone from its sums at most this often (and after each sample).
 REFIT_SECS = 1.0

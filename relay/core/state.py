@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from asyncio import Future, TimerHandle
 
     from relay.core.affinity import Affinity
-    from relay.core.hedging import Hedge
     from relay.core.limits import Ticket
     from relay.core.rates import Speed
     from relay.wire.protocol import ServerMessage, TokenCounts
@@ -297,6 +296,42 @@ class RelayRequest:
 
     def __repr__(self) -> str:
         return f"<RelayRequest {self.id} {self.model} {self.phase.name}>"
+
+
+#: A hedge's life (:mod:`relay.core.hedging`): its timer runs (``ARMED``), the second
+#: attempt is out (``RACING``), it is settled or was never needed (``SETTLED``).
+ARMED: Final = 1
+RACING: Final = 2
+SETTLED: Final = 3
+
+
+class Hedge:
+    """A request's second attempt while it is hedged (SPEC §21, :mod:`relay.core.hedging`):
+    its timer, then its worker, when it was sent and what was predicted there."""
+
+    __slots__ = (
+        "ahead",
+        "cached",
+        "end",
+        "predicted",
+        "secs",
+        "sent_at",
+        "state",
+        "timer",
+        "worker",
+    )
+
+    def __init__(self) -> None:
+        self.state = ARMED
+        self.timer: TimerHandle | None = None
+        #: The second attempt's worker while it races; its dispatch and prediction.
+        self.worker: Worker | None = None
+        self.sent_at = 0.0
+        self.predicted = 0.0
+        self.end = 0.0
+        self.secs = 0.0
+        self.cached = 0.0
+        self.ahead = 0.0
 
 
 @dataclass(slots=True)

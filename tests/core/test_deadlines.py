@@ -12,6 +12,7 @@ from relay.core import deadlines
 from relay.core.affinity import AffinityConfig
 from relay.core.relay import Relay
 from relay.core.state import RelayRequest, Worker
+from relay.core.stats import RequestRecord
 from relay.wire import protocol
 from relay.wire.errors import BadRequest, DeadlineUnmeetable, error_response
 from tests.core.test_speeds import chat, teach
@@ -94,7 +95,7 @@ async def test_a_deadline_no_worker_can_meet_is_refused_at_once_with_the_predict
     relay = make_relay(LEAST)
     slow, link = attach(relay, name="slow", max_concurrent=4)
     taught(relay, slow, 1000)
-    seen = []
+    seen: list[RequestRecord] = []
     relay.observers.append(seen.append)
     with pytest.raises(DeadlineUnmeetable) as caught:
         send(relay, 8000, 500)  # 2,000 tokens: about two seconds

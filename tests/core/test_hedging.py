@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 from relay.core.affinity import AffinityConfig
-from relay.core.hedging import HedgeConfig
+from relay.core.config import HedgeConfig
 from relay.core.limits import KeyLimits, Limiter
 from relay.core.limitstore import MemoryLimitStore
 from relay.core.relay import Relay
-from relay.core.state import CANCELLED, Completion, RelayRequest, Worker
+from relay.core.state import CANCELLED, Completion, Event, RelayRequest, Worker
 from relay.core.stats import RequestRecord
 from relay.wire import protocol
 from tests.core.test_speeds import chat, teach
@@ -57,7 +58,7 @@ def send(
     )
 
 
-async def until(check, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+async def until(check: Callable[[], bool], timeout: float = 2.0) -> None:
     async with asyncio.timeout(timeout):
         while not check():
             await asyncio.sleep(0.005)
@@ -67,7 +68,7 @@ def attempts(link: RecordingLink, request: RelayRequest) -> int:
     return sum(1 for f in link.requests if f.request_id == request.id)
 
 
-def drain(request: RelayRequest) -> list[object]:
+def drain(request: RelayRequest) -> list[Event]:
     events = request._events
     request._events = []
     return events
