@@ -23,6 +23,7 @@ from pydantic import Field
 from keys.models import ApiKey
 from keys.services import create_key, revoke_key, update_key
 from relay.core import snapshot
+from relay.core.deadlines import MAX_DEADLINE_MS
 from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
 from relay.server.cluster.control import ClusterUnreachable
@@ -99,6 +100,8 @@ class KeyLimitsIn(Schema):
     #: Priority classes (SPEC §15); null: ``default``.
     default_class: ServiceClass | None = None
     max_class: ServiceClass | None = None
+    #: The first-token deadline of a request that states none (SPEC §21); null: none.
+    deadline_ms: int | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS, strict=True)
 
 
 class KeyIn(KeyLimitsIn):
@@ -131,6 +134,7 @@ class KeyOut(Schema):
     weight: int
     default_class: str
     max_class: str
+    deadline_ms: int | None = None
 
     @staticmethod
     def resolve_allowed_models(obj: ApiKey) -> list[str] | None:

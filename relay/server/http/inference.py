@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from relay.core import classes
+from relay.core import classes, deadlines
 from relay.server import runtime
 from relay.server.cluster.proxy import (
     CLASS_HEADER,
@@ -47,6 +47,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
     await rt.ready()  # providers and keys loaded (instant after the first request)
     try:
         key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
+        # Bounded and checked before the body is read (SPEC §21).
+        stated_deadline = deadlines.parse(header(scope, deadlines.HEADER))
         raw = await read_body(receive, rt.config.max_request_bytes)
         try:
             body = raw.decode()
@@ -77,6 +79,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             tracing.rejected(trace, err.status, err.outcome, model)
             await send_error(send, err, flavor, cors)
             return
+    service_class = rt.service_class(key_id, wanted)
     try:
         request = relay.submit(
             model=model,
@@ -87,10 +90,11 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             headers=forwarded_request_headers(scope["headers"], exclude=relay_auth_headers),
             key_id=key_id,
             ticket=ticket,
-            service_class=rt.service_class(key_id, wanted),
+            service_class=service_class,
             trace=trace,
             prompt=head.prompt,
             session=_session(scope, rt.config.affinity.session_header),
+            deadline_ms=rt.deadline(key_id, service_class, stated_deadline),
         )
     except BaseException as exc:
         # Until submit returns the ticket is ours: free the key's slot on every way
