@@ -301,13 +301,14 @@ class Speed:
             b = (m00 * r1 - m01 * r0) / det
         else:
             a, b = a0, b0
-        if b < MIN_SECS_PER_TOKEN or a < 0.0:
-            # The line fell outside what is physical (noise on a narrow range of sizes):
-            # keep the prior's intercept share and put the rest on the slope.
-            a = _clamp(a, 0.0, MAX_OVERHEAD)
-            mean_y = (self.sy + ka * a0) / m00
-            mean_x = (self.sx + ka * scale) / m00
-            b = (mean_y - a) / mean_x if mean_x > 0 else b0
+        if (b < MIN_SECS_PER_TOKEN or a < 0.0) and n > 0.0 and self.sx > 0.0:
+            # The line fell outside what is physical: noise on a narrow range of sizes,
+            # or a box that changed speed, its old samples (other sizes, other times)
+            # not yet faded. Keep the fleet's overhead and put the rest on the
+            # per-token rate, where a slowdown usually is.
+            mean_y = self.sy / n
+            a = min(a0, mean_y)
+            b = (mean_y - a) / (self.sx / n)
         c = self.confidence
         b = _clamp(b, MIN_SECS_PER_TOKEN, MAX_SECS_PER_TOKEN)
         a = _clamp(a, 0.0, MAX_OVERHEAD)

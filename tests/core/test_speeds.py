@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from relay.core.affinity import AffinityConfig, Prompt
-from relay.core.rates import Rates, SpeedConfig
+from relay.core.rates import MIN_SECS_PER_TOKEN, Rates, SpeedConfig
 from relay.core.relay import Relay
 from relay.core.state import RelayRequest, Worker
 from relay.wire import protocol
@@ -320,3 +320,15 @@ async def test_speeds_are_learned_under_every_policy_and_forgotten_with_their_wo
     assert a.speed["m"].samples == 1 and relay.rates.models() == ["m"]
     relay.close_worker(a, 1000, "bye")
     assert relay.rates.models() == []
+
+
+def test_a_change_of_speed_seen_on_other_prompt_sizes_stays_a_rate_not_a_negative_one():
+    rates = Rates(SpeedConfig(half_life=30.0))
+    box = worker("box")
+    for i in range(20):  # long prompts, fast
+        teach(rates, box, float(i), tokens=3000, ttft=0.05 + 3000 / 7500)
+    for i in range(8):  # then short ones, ten times slower: the line through both falls
+        teach(rates, box, 20.0 + i, tokens=400, ttft=0.05 + 400 / 750)
+    fit = rates.fit(box, "m", 28.0)
+    assert fit.secs_per_token > MIN_SECS_PER_TOKEN and fit.overhead <= 0.06
+    assert 1 / fit.secs_per_token < 7500  # slower than it was, whatever the sizes
