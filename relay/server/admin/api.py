@@ -176,6 +176,8 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
     if rt.placement is not None:
         # Counters above are this process's; the cluster's shared queue is one for all.
         document["cluster"] = rt.placement.describe()
+        # The speeds every process predicts from (SPEC §21), as last shared.
+        document["cluster"]["speeds"] = rt.placement.shared_view()
     # Who is using the pool (SPEC §13): running and queued here, tokens from the
     # limit store (every process's with Redis), refusals here by outcome.
     document["keys"] = await rt.key_usage()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
@@ -97,6 +97,19 @@ class SharedWorker(NamedTuple):
     models: dict[str, SharedSpeed]
 
 
+#: A speed's numbers are shared anew once one moved by more than this share (or it
+#: learned from a new request).
+MOVED = 0.02
+
+
+def _same(before: list[float], now: list[float]) -> bool:
+    """Whether ``now`` may be shared as ``before``: no new sample (index 5), and no
+    number moved by more than :data:`MOVED` of itself."""
+    if len(before) != len(now) or before[5] != now[5]:
+        return False
+    return all(abs(b - n) <= MOVED * max(abs(b), abs(n)) for b, n in zip(before, now, strict=True))
+
+
 class ClusterSpeeds:
     if TYPE_CHECKING:  # provided by the placement
         relay: Relay
@@ -110,6 +123,8 @@ class ClusterSpeeds:
         self.shared: dict[str, SharedWorker] = {}
         #: model -> bytes per token (the mean of what the processes shared).
         self.shared_bpt: dict[str, float] = {}
+        #: (worker, model) -> the numbers last shared for it here.
+        self._published: dict[tuple[str, str], list[float]] = {}
 
     async def _speeds_tick(self, force: bool = False) -> None:
         """Share this process's speeds and read everyone's, once per RATES_SHARE_SECS
@@ -123,7 +138,12 @@ class ClusterSpeeds:
         self._take_speeds(await self.state.shared_speeds(), now)
 
     def _document(self, now: float) -> bytes:
+        """This process's workers, their loads and speeds. A speed is shared again as it
+        was while it learned nothing new and its fit (fading towards the fleet's) moved
+        by less than :data:`MOVED`: between changes, every process reads the same
+        numbers, so they predict exactly alike."""
         relay = self.relay
+        published: dict[tuple[str, str], list[float]] = {}
         workers: dict[str, _Shared] = {}
         for worker in relay.registry.workers.values():
             models: dict[str, list[float]] = {}
@@ -133,15 +153,22 @@ class ClusterSpeeds:
                     models[model] = []
                     continue
                 fit = relay.rates.fit(worker, model, now)
-                models[model] = [
+                numbers = [
                     *fit,
                     speed.confidence,
                     float(speed.samples),
                     speed.per_load,
                     *speed.own,
                 ]
+                before = self._published.get((worker.id, model))
+                if before is not None and _same(before, numbers):
+                    numbers = before
+                models[model] = published[(worker.id, model)] = numbers
             workers[worker.id] = _Shared(worker.provider, worker.load, models)
-        bpt = {model: relay.rates.bytes_per_token(model) for model in relay.rates.models()}
+        self._published = published
+        bpt = {
+            model: round(relay.rates.bytes_per_token(model), 2) for model in relay.rates.models()
+        }
         return _encode(_Document(workers=workers, bpt=bpt))
 
     def _take_speeds(self, documents: Iterable[tuple[str, bytes]], now: float) -> None:
@@ -189,6 +216,28 @@ class ClusterSpeeds:
                 if worker_id not in local
             }
         )
+
+    def shared_view(self) -> dict[str, Any]:
+        """The table every process predicts from (``/admin/stats``): per worker, its
+        process, load and speeds as last shared."""
+        return {
+            worker_id: {
+                "instance": row.instance,
+                "provider": row.provider,
+                "load": row.load,
+                "models": {
+                    model: {
+                        "prefill_tokens_per_sec": round(1.0 / s.secs_per_token, 1),
+                        "overhead_ms": round(1000 * s.overhead, 1),
+                        "decode_tokens_per_sec": round(s.decode, 2),
+                        "per_request_in_flight_ms": round(1000 * s.per_load, 1),
+                        "confidence": round(s.confidence, 3),
+                    }
+                    for model, s in sorted(row.models.items())
+                },
+            }
+            for worker_id, row in sorted(self.shared.items())
+        }
 
     # -- what predictions use ------------------------------------------------------------
 
