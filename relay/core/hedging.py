@@ -26,7 +26,9 @@ capacity is counted there), at most ``max_share`` of the ``priority`` requests (
 credit per request, a hedge costs one, with a small burst) and only while the pool has
 room: a free slot on a worker other than the first, and nothing waiting for the
 provider. Its time is the first attempt's predicted p95 (its prediction times the spread
-of that worker's, :mod:`relay.core.prediction`), never less than ``min_delay``.
+of that worker's, :mod:`relay.core.prediction`), never less than ``min_delay``. A
+request the share or a full pool kept from its hedge is looked at again once it has
+waited as long again: the share goes to the requests that stay silent longest.
 
 A request that is not hedged pays one attribute test per frame (``hedge is None``) and,
 when hedging is on, one timer per ``priority`` stream.
@@ -124,8 +126,10 @@ class Hedging:
             or primary is None
         ):
             return
+        now = self.loop.time()
         if self.hedge_credit < 1.0:
             self.hedges["over_share"] += 1
+            self._defer_hedge(request, hedge, now)
             return
         state = self.providers.get(request.provider)
         eligible = [
@@ -135,8 +139,8 @@ class Hedging:
         ]
         if state is None or len(state.queue) or not eligible or self.clustered:
             self.hedges["saturated"] += 1
+            self._defer_hedge(request, hedge, now)
             return
-        now = self.loop.time()
         target, _ = self.predictor.best(request, eligible, now)
         assert target is not None
         self.hedge_credit -= 1.0
@@ -166,6 +170,14 @@ class Hedging:
                 headers=self.tracer.hedged(request, target, now),
             )
         )
+
+    def _defer_hedge(self, request: RelayRequest, hedge: Hedge, now: float) -> None:
+        """No hedge now (the share is spent, or the pool full): look again once it has
+        waited as long again. What the share allows goes to the requests that stay
+        without a first byte longest (a stall), not to those just past their p95, which
+        mostly answer in the meantime."""
+        waited = max(self.config.hedging.min_delay, now - request.assigned_at)
+        hedge.timer = self.loop.call_at(now + waited, self._hedge, request)
 
     # -- settling -----------------------------------------------------------------------
 
