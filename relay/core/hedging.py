@@ -23,7 +23,7 @@ attempts are cancelled.
 **When.** Only ``priority`` streams (a whole answer's first byte is its last), never in
 cluster mode (a second attempt would need a second shared reservation: the cluster's
 capacity is counted there), at most ``max_share`` of the ``priority`` requests (a
-credit per request, a hedge costs one, with a small burst) and only while the pool has
+credit per request, a hedge costs one, never saved beyond one) and only while the pool has
 room: a free slot on a worker other than the first, and nothing waiting for the
 provider. Its time is the first attempt's predicted p95 (its prediction times the spread
 of that worker's, :mod:`relay.core.prediction`), never less than ``min_delay``. A
@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("relay")
 
-#: How many hedges the share may let through at once after a quiet spell.
-BURST: Final = 3.0
+#: The most credit the share saves up: one hedge, so hedges never run ahead of it.
+BURST: Final = 1.0
 #: What is counted (``/admin/stats``, ``/metrics``): hedges sent, won by the second
 #: attempt, lost to the first, ended by a failure of one attempt; and timers that fired
 #: without a hedge, for the share or for a saturated pool.
@@ -263,7 +263,7 @@ class Hedging:
         request.prefill_end = hedge.end
         request.prefill_secs = hedge.secs
         request.cached_guess = hedge.cached
-        request.ahead_tokens = hedge.ahead
+        request.ahead = hedge.ahead
 
     def _drop_attempt(
         self,

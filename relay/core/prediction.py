@@ -174,8 +174,8 @@ class Predictor:
         """``request`` is being sent to ``worker`` (before cache-aware routing records
         that the worker now holds its prefix): push the worker's prefill on by the
         request's own. Returns the prediction, when its prefill is predicted to end and
-        how long it takes, the prompt tokens predicted cached there, and the work ahead
-        of it (in that worker's prompt tokens of its model)."""
+        how long it takes, the prompt tokens predicted cached there, and the prefill
+        predicted ahead of it there (seconds)."""
         per_byte = 1.0 / self.rates.bytes_per_token(request.model)
         spt, overhead = self._fit(worker, request.model, now)
         cached = self._cached(worker, request, per_byte)
@@ -187,7 +187,7 @@ class Predictor:
             wait = 0.0
         prefill = own * spt
         end = worker.busy_until = now + wait + prefill
-        return overhead + wait + prefill, end, prefill, cached, wait / spt
+        return overhead + wait + prefill, end, prefill, cached, wait
 
     def assigned(self, request: RelayRequest, worker: Worker, now: float) -> None:
         """``request`` is being sent to ``worker``: :meth:`attempt`, kept on the request."""
@@ -196,7 +196,7 @@ class Predictor:
             request.prefill_end,
             request.prefill_secs,
             request.cached_guess,
-            request.ahead_tokens,
+            request.ahead,
         ) = self.attempt(request, worker, now)
 
     def started(self, request: RelayRequest, worker: Worker, now: float) -> None:

@@ -5,13 +5,16 @@ whose GPU is shared slows down when its owner plays a game. For each (worker, mo
 relay keeps a :class:`Speed`, fed by every request that worker finished
 (:meth:`Rates.observe`), from what the relay sees anyway:
 
-- time to first byte (measured from the request's dispatch, for streams) against the
-  prompt tokens the backend had to process: those it reported (``prompt_tokens`` less
-  ``cached_tokens``, the closed loop of cache-aware routing), plus the prefill work
-  predicted to be ahead of it on that worker when it was sent there, in the same
-  tokens (:mod:`relay.core.prediction`). A weighted least-squares line through them
-  gives the worker's fixed overhead (its intercept) and its seconds per prompt token
-  (its slope);
+- time to first byte (measured from the request's dispatch, for streams), less the
+  prefill predicted to be ahead of it on that worker when it was sent there
+  (:mod:`relay.core.prediction`), against the prompt tokens the backend had to process:
+  those it reported (``prompt_tokens`` less ``cached_tokens``, the closed loop of
+  cache-aware routing). A weighted least-squares line through them (a sample weighing
+  the less, the more was waiting ahead of it) gives the worker's fixed overhead (its
+  intercept) and its seconds per prompt token (its slope). The wait ahead is taken out
+  rather than counted as tokens: a rate estimated wrong then shows in the overhead,
+  and fades as the rate comes right, where counting the wait in tokens of a wrong rate
+  would feed the error back into the rate;
 - llama-server's ``timings`` when the backend reports them (``prefill_ms``,
   ``decode_ms`` in ``token_counts``): the backend's own prefill time for a request that
   had nothing ahead of it pins the slope down;
@@ -75,7 +78,7 @@ class RelayRequest(Protocol):
     @property
     def predicted(self) -> float: ...
     @property
-    def ahead_tokens(self) -> float: ...
+    def ahead(self) -> float: ...
     @property
     def cached_guess(self) -> float: ...
     @property
@@ -91,6 +94,10 @@ RING = 64
 #: The quantiles' z-scores: a prediction times ``spread(z)`` is that quantile.
 Z90 = 1.2816
 Z95 = 1.6449
+#: A time to first byte over this many times its prediction counts as that much in what
+#: is learned, unless more than ISOLATED came in a row (see :meth:`Rates.observe`).
+OUTLIER = 3.0
+ISOLATED = 2
 #: Bounds on what is believed: far outside anything real, so nothing divides by zero.
 MIN_SECS_PER_TOKEN = 1e-7  # ten million tokens a second
 MAX_SECS_PER_TOKEN = 10.0
@@ -143,6 +150,7 @@ class Speed:
         "fitted",
         "measured",
         "n",
+        "outliers",
         "overhead",
         "own",
         "pf",
@@ -176,8 +184,9 @@ class Speed:
         self.vn = self.vs = self.pf = 0.0
         # Predicted and measured time to first byte (decayed sums over ``pn``).
         self.pn = self.predicted = self.measured = 0.0
-        #: Requests learned from, ever (not decayed).
+        #: Requests learned from, ever (not decayed); outliers in a row, lately.
         self.samples = 0
+        self.outliers = 0
         self._residuals: list[float] = []
         self._turn = 0
         self.spread90 = 1.6
@@ -214,13 +223,14 @@ class Speed:
         self.predicted *= f
         self.measured *= f
 
-    def first_byte(self, tokens: float, seconds: float) -> None:
-        """A sample of time to first byte: ``seconds`` for ``tokens`` processed."""
-        self.n += 1.0
-        self.sx += tokens
-        self.sy += seconds
-        self.sxx += tokens * tokens
-        self.sxy += tokens * seconds
+    def first_byte(self, tokens: float, seconds: float, weight: float = 1.0) -> None:
+        """A sample of time to first byte: ``seconds`` for ``tokens`` processed (what
+        was ahead of them taken out), counting as ``weight`` of one."""
+        self.n += weight
+        self.sx += weight * tokens
+        self.sy += weight * seconds
+        self.sxx += weight * tokens * tokens
+        self.sxy += weight * tokens * seconds
 
     def prefill_timing(self, tokens: float, seconds: float) -> None:
         """The backend's own time for ``tokens`` prompt tokens, nothing ahead of them."""
@@ -498,7 +508,28 @@ class Rates:
         prefill_ms = counts.prefill_ms if counts is not None else None
         if request.is_streaming and first is not None and first >= request.assigned_at:
             ttfb = first - request.assigned_at
-            speed.first_byte(processed + request.ahead_tokens, ttfb)
+            # A stall now and then (the box busy with something else for seconds) is
+            # not its speed: once the worker is known, a sample over OUTLIER times its
+            # prediction counts as that much, unless the ones before it were over too
+            # (then the box did slow down, and is learned as it is now).
+            learned = ttfb
+            if request.predicted > 0.0 and speed.confidence >= 0.5:
+                if ttfb > OUTLIER * request.predicted:
+                    speed.outliers += 1
+                    if speed.outliers <= ISOLATED:
+                        learned = OUTLIER * request.predicted
+                else:
+                    speed.outliers = 0
+            # What the prefill predicted ahead of it took is not its own: its line is
+            # fitted to the rest, a sample counting the less the more of it was waiting
+            # (a wait predicted too long or short then shows in the overhead, and fades
+            # as the rate it was predicted with comes right: no loop feeds on itself).
+            own = learned - request.ahead
+            if own > 0.0:
+                weight = 1.0
+                if request.ahead > 0.0 and request.prefill_secs > 0.0:
+                    weight = request.prefill_secs / (request.prefill_secs + request.ahead)
+                speed.first_byte(processed, own, weight)
             if request.predicted > 0.0:
                 speed.checked(request.predicted, ttfb)
             completion = counts.completion_tokens if counts is not None else None
@@ -509,7 +540,7 @@ class Rates:
                 speed.decoded(completion - 1, now - first)
         elif counts is not None and counts.decode_ms and counts.completion_tokens:
             speed.decoded(counts.completion_tokens, counts.decode_ms / 1000)
-        if prefill_ms is not None and processed > 0 and request.ahead_tokens <= 0.0:
+        if prefill_ms is not None and processed > 0 and request.ahead <= 0.0:
             speed.prefill_timing(processed, prefill_ms / 1000)
         speed.fit(now, self.prior(request.model, now), config)
         if speed.samples == 1:  # a new member of the fleet's median, its line made now

@@ -68,7 +68,7 @@ class RelayRequest:
         "_events",
         "_waiter",
         "affinity",
-        "ahead_tokens",
+        "ahead",
         "assigned_at",
         "awaits_load",
         "body",
@@ -216,13 +216,13 @@ class RelayRequest:
         self.awaits_load = False
         #: Speed-aware routing (SPEC §21): the bytes of its prompt's fields (what its
         #: tokens are estimated from; 0: unknown), and, since it was last sent to a
-        #: worker, what was predicted there: its time to first token (seconds), the
-        #: prefill work ahead of it (that worker's prompt tokens), the prompt tokens
-        #: predicted cached there, and when and for how long its own prefill (loop time,
-        #: 0 once it started answering or left). See :mod:`relay.core.prediction`.
+        #: worker, what was predicted there: its time to first token and the prefill
+        #: ahead of it there (seconds), the prompt tokens predicted cached there, and
+        #: when and for how long its own prefill (loop time, 0 once it started
+        #: answering or left). See :mod:`relay.core.prediction`.
         self.prompt_bytes = 0
         self.predicted = 0.0
-        self.ahead_tokens = 0.0
+        self.ahead = 0.0
         self.cached_guess = 0.0
         self.prefill_end = 0.0
         self.prefill_secs = 0.0
