@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from relay.server.cluster.convergence import now_ms
@@ -162,3 +163,38 @@ async def test_the_placement_script_follows_the_predicted_costs_within_the_guard
         if keys:
             await redis.delete(*keys)
         await redis.aclose()
+
+
+async def test_the_largest_speeds_document_is_taken_without_holding_up_the_loop():
+    """Another process's speeds (the cluster's own, bounded all the same): one at the
+    bound is read a slice at a time; one byte over it is skipped."""
+    from relay.server.cluster.speeds import MAX_DOCUMENT_BYTES, ClusterSpeeds, _Document, _Shared
+    from tests.corekit import make_relay
+    from tests.stall import STALL_BUDGET_MS, LoopStalls
+
+    relay = make_relay()
+    speeds = ClusterSpeeds()
+    speeds.relay = relay
+    speeds.instance = "me"
+    speeds._init_speeds(1.0)
+    numbers = [0.0002, 0.01, 40.0, 1.5, 0.9, 100.0, 0.02, 0.0002, 0.01, 40.0, 1.5]
+    workers: dict[str, _Shared] = {}
+    encode = msgspec.json.Encoder().encode
+    raw = b""
+    while True:  # as many workers as fit under the bound
+        grown = dict(workers)
+        for i in range(len(workers), len(workers) + 500):
+            grown[f"w-p{i:08x}"] = _Shared("local", 3, {"mock-model": numbers})
+        candidate = encode(_Document(workers=grown, bpt={"mock-model": 4.0}))
+        if len(candidate) > MAX_DOCUMENT_BYTES:
+            break
+        workers, raw = grown, candidate
+    assert len(raw) > MAX_DOCUMENT_BYTES * 0.9
+    async with LoopStalls() as stalls:
+        await speeds._take_speeds([("other", raw)], relay.loop.time())
+    assert len(speeds.shared) == len(workers) > 2000
+    assert stalls.longest_ms < STALL_BUDGET_MS, stalls.longest_ms
+    over = raw[:-1] + b" " * (MAX_DOCUMENT_BYTES - len(raw) + 1) + b"}"
+    assert len(over) == MAX_DOCUMENT_BYTES + 1
+    await speeds._take_speeds([("other", over)], relay.loop.time())
+    assert speeds.shared == {}

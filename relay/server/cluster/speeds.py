@@ -28,6 +28,7 @@ skipped.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Iterable
@@ -44,8 +45,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("relay.cluster")
 
-#: The largest speeds document read from another process.
-MAX_DOCUMENT_BYTES = 4 * 1024 * 1024
+#: The largest speeds document a process shares or reads (about 2,500 workers' one model
+#: each: decoded in a few ms), and how many of its workers are taken between two looks at
+#: the event loop: reading every process's never holds the loop up. A process with more
+#: shares the speeds of as many of its workers as fit.
+MAX_DOCUMENT_BYTES = 256 * 1024
+SLICE = 200
 
 
 class _Shared(msgspec.Struct, array_like=True):
@@ -135,7 +140,7 @@ class ClusterSpeeds:
         self._shared_at = now
         ttl_ms = max(1000, int(3000 * self.share_secs))
         await self.state.share_speeds(self.instance, self._document(now), ttl_ms)
-        self._take_speeds(await self.state.shared_speeds(), now)
+        await self._take_speeds(await self.state.shared_speeds(), now)
 
     def _document(self, now: float) -> bytes:
         """This process's workers, their loads and speeds. A speed is shared again as it
@@ -169,11 +174,20 @@ class ClusterSpeeds:
         bpt = {
             model: round(relay.rates.bytes_per_token(model), 2) for model in relay.rates.models()
         }
-        return _encode(_Document(workers=workers, bpt=bpt))
+        raw = _encode(_Document(workers=workers, bpt=bpt))
+        while len(raw) > MAX_DOCUMENT_BYTES and workers:
+            keep = int(len(workers) * MAX_DOCUMENT_BYTES / len(raw) * 0.95)
+            workers = dict(sorted(workers.items())[:keep])
+            raw = _encode(_Document(workers=workers, bpt=bpt))
+            logger.warning("cluster: speeds of only %d workers fit in what is shared", keep)
+        return raw
 
-    def _take_speeds(self, documents: Iterable[tuple[str, bytes]], now: float) -> None:
+    async def _take_speeds(self, documents: Iterable[tuple[str, bytes]], now: float) -> None:
+        """Every process's document, into the table predictions use (swapped in whole at
+        the end), taken a slice of workers at a time."""
         shared: dict[str, SharedWorker] = {}
         bpt: dict[str, list[float]] = {}
+        taken = 0
         for instance, raw in documents:
             if len(raw) > MAX_DOCUMENT_BYTES:
                 logger.warning("cluster: speeds of %s skipped: %d bytes", instance, len(raw))
@@ -183,7 +197,11 @@ class ClusterSpeeds:
             except msgspec.DecodeError as exc:
                 logger.warning("cluster: speeds of %s skipped: %s", instance, exc)
                 continue
+            await asyncio.sleep(0)
             for worker_id, row in document.workers.items():
+                taken += 1
+                if taken % SLICE == 0:
+                    await asyncio.sleep(0)
                 models = {
                     model: SharedSpeed(*numbers[:_FIELDS])
                     for model, numbers in row.models.items()
@@ -197,25 +215,27 @@ class ClusterSpeeds:
             for model, value in document.bpt.items():
                 if math.isfinite(value) and value > 0:
                     bpt.setdefault(model, []).append(value)
+        local = self.relay.registry.workers
+        remote: dict[str, dict[str, Speed]] = {}
+        for worker_id, row in shared.items():
+            if worker_id in local or not row.models:
+                continue
+            taken += 1
+            if taken % SLICE == 0:
+                await asyncio.sleep(0)
+            remote[worker_id] = {
+                model: Speed.shared(
+                    now,
+                    Fit(s.secs_per_token, s.overhead, s.decode, s.service),
+                    Fit(s.own_secs_per_token, s.own_overhead, s.own_decode, s.own_service),
+                    s.confidence,
+                    int(s.samples),
+                )
+                for model, s in row.models.items()
+            }
         self.shared = shared
         self.shared_bpt = {model: sum(v) / len(v) for model, v in bpt.items()}
-        local = self.relay.registry.workers
-        self.relay.rates.share(
-            {
-                worker_id: {
-                    model: Speed.shared(
-                        now,
-                        Fit(s.secs_per_token, s.overhead, s.decode, s.service),
-                        Fit(s.own_secs_per_token, s.own_overhead, s.own_decode, s.own_service),
-                        s.confidence,
-                        int(s.samples),
-                    )
-                    for model, s in row.models.items()
-                }
-                for worker_id, row in shared.items()
-                if worker_id not in local
-            }
-        )
+        self.relay.rates.share(remote)
 
     def shared_view(self) -> dict[str, Any]:
         """The table every process predicts from (``/admin/stats``): per worker, its
