@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from relay.core.affinity import AffinityConfig
-from relay.core.rates import SpeedConfig
+from relay.core.speed import SpeedConfig
 from relay.wire.protocol import ACCEPTED_PROTOCOL_VERSIONS
 
 MIB = 1024 * 1024

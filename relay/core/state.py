@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from relay.core.affinity import Affinity
     from relay.core.limits import Ticket
-    from relay.core.rates import Speed
+    from relay.core.speed import Speed
     from relay.wire.protocol import ServerMessage, TokenCounts
 
 

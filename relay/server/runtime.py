@@ -25,8 +25,8 @@ from relay.core.keystats import KeyStats, key_name, key_rows
 from relay.core.limits import NO_LIMITS, KeyLimits, Limiter, LimitStore, Ticket
 from relay.core.limitstore import MemoryLimitStore
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
-from relay.core.rates import SpeedConfig
 from relay.core.relay import Relay
+from relay.core.speed import SpeedConfig
 from relay.core.stats import RequestRecord
 from relay.server import store
 from relay.server.batches.engine import BatchEngine

@@ -213,6 +213,7 @@ async def test_a_request_the_share_kept_from_its_hedge_gets_one_when_the_share_a
     assert first is not None
     await until(lambda: relay.hedges["over_share"] >= 1)
     other = send(relay, n=1)  # another priority stream: the credit is whole now
+    assert other.worker is not None
     relay.on_chunk(other.worker, other.id, "data: x\n\n")  # (answers: no hedge of its own)
     await until(lambda: attempts(link2, r) == 1)  # the silent one looked again, and got it
     assert relay.hedges["sent"] == 1

@@ -12,8 +12,9 @@ import msgspec
 import pytest
 
 from relay.core.affinity import AffinityConfig, Prompt
-from relay.core.rates import MIN_SECS_PER_TOKEN, Rates, SpeedConfig
+from relay.core.rates import Rates
 from relay.core.relay import Relay
+from relay.core.speed import MIN_SECS_PER_TOKEN, SpeedConfig
 from relay.core.state import RelayRequest, Worker
 from relay.wire import protocol
 from tests.corekit import FAST, RecordingLink, attach, make_relay

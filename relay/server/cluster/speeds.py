@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from relay.core.rates import Fit, Speed
 from relay.core.relay import Relay
+from relay.core.speed import Fit, Speed
 from relay.core.state import RelayRequest
 
 if TYPE_CHECKING:
@@ -217,8 +217,8 @@ class ClusterSpeeds:
                     bpt.setdefault(model, []).append(value)
         local = self.relay.registry.workers
         remote: dict[str, dict[str, Speed]] = {}
-        for worker_id, row in shared.items():
-            if worker_id in local or not row.models:
+        for worker_id, known in shared.items():
+            if worker_id in local or not known.models:
                 continue
             taken += 1
             if taken % SLICE == 0:
@@ -226,12 +226,12 @@ class ClusterSpeeds:
             remote[worker_id] = {
                 model: Speed.shared(
                     now,
-                    Fit(s.secs_per_token, s.overhead, s.decode, s.service),
-                    Fit(s.own_secs_per_token, s.own_overhead, s.own_decode, s.own_service),
-                    s.confidence,
-                    int(s.samples),
+                    Fit(x.secs_per_token, x.overhead, x.decode, x.service),
+                    Fit(x.own_secs_per_token, x.own_overhead, x.own_decode, x.own_service),
+                    x.confidence,
+                    int(x.samples),
                 )
-                for model, s in row.models.items()
+                for model, x in known.models.items()
             }
         self.shared = shared
         self.shared_bpt = {model: sum(v) / len(v) for model, v in bpt.items()}
