@@ -17,7 +17,6 @@ from relay.server.http.request import (
     ClientGone,
     before_body,
     header,
-    parse_head,
     read_body,
     read_head,
 )
@@ -139,7 +138,8 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         key_id = int(key) if key is not None and key.isdigit() else None
         service_class, _, preempted = (header(scope, CLASS_HEADER_B) or b"").decode().partition(" ")
         raw = await read_body(receive, rt.config.max_request_bytes)
-        model, stream = parse_head(raw)
+        head = read_head(raw)
+        model, stream = head.model, head.stream
         request = relay.submit_pinned(
             worker_id=worker_id,
             lease=lease,
@@ -157,6 +157,7 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
             service_class=service_class if service_class in classes.RANK else classes.DEFAULT,
             preemptions=int(preempted) if preempted.isdigit() and len(preempted) < 6 else 0,
             trace=trace,
+            prompt=head.prompt,
         )
     except ClientGone:
         placement.release(worker_id, lease)
