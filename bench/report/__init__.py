@@ -10,6 +10,7 @@
 - :mod:`bench.report.affinity`: (k) cache-aware routing;
 - :mod:`bench.report.fleet`: (l) fleet observability (tracing, federation);
 - :mod:`bench.report.ondemand`: (m) models on demand;
+- :mod:`bench.report.speeds`: (n) speed-aware routing;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
 - :mod:`bench.report.document`: the whole of ``docs/BENCHMARKS.md``.
@@ -29,6 +30,7 @@ from bench.report import (
     ondemand,
     ratios,
     sections,
+    speeds,
 )
 
 LEGEND = (
@@ -58,5 +60,6 @@ def tables(res: dict[str, Any]) -> str:
         affinity.affinity(res),
         fleet.fleet(res),
         ondemand.ondemand(res),
+        speeds.speeds(res),
     ]
     return "\n".join(line for part in parts for line in part)
