@@ -315,7 +315,8 @@ def _hedging(procs: Processes, workdir: Path, s: dict[str, Any], log: Any) -> di
             wait_workers(url, 2, server, timeout=90)
             urls[mode] = url
             warm = _schedule(s, speeds, 9, count=s["n_warmup"], short_only=True)
-            asyncio.run(_run(url, warm, f"warm-hedge-{mode}", lambda i, n: priority))
+            # (default class: the share's credit starts from the measured requests alone)
+            asyncio.run(_run(url, warm, f"warm-hedge-{mode}"))
             pool.set(0, stall_every=20, stall_secs=s["n_stall_secs"])
         for mode, url in urls.items():
             before = len(pools[mode].served)
@@ -515,7 +516,7 @@ def _routing_cost(s: dict[str, Any]) -> dict[str, Any]:
         now = clock[0]
         r2.affinity = router.affinity(head, MODEL, None, 1)
         r2.prompt_bytes = prompt_bytes(head, "")
-        chosen = predictor.choose(r2, pool, now) or pool[0]
+        chosen = predictor.choose(r2, pool, now, MODEL) or pool[0]
         r2.assigned_at = now
         predictor.assigned(r2, chosen, now)
         router.assigned(r2, chosen)

@@ -222,13 +222,13 @@ class Dispatcher(
         for state, target in candidates:
             worker = self._select(state.policy.name, target, request)
             if worker is not None:
+                self._aim(request, state, target)  # (its model is the backend's name now)
                 if request.first_token_by:
                     try:
                         self._check_now(request, worker, now)
                     except RelayError as exc:
                         self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
                         raise
-                self._aim(request, state, target)
                 self.active += 1
                 self._assign(request, worker, now)
                 return request
@@ -243,13 +243,13 @@ class Dispatcher(
             full = QueueFull()
             self.record_rejection(full, model, endpoint_path, is_streaming, key_id)
             raise full
+        self._aim(request, primary, primary_target)
         if request.first_token_by:
             try:
                 self._check_queued(primary, request, now)
             except RelayError as exc:
                 self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
                 raise
-        self._aim(request, primary, primary_target)
         self.active += 1
         self._enqueue(primary, request, now)
         self._preempt_for(primary, request)
@@ -262,9 +262,8 @@ class Dispatcher(
         else the one holding its prefix within the guard (§14), else the least loaded
         (§6); None: none free."""
         if self.router.predicts or request.first_token_by:
-            return self.predictor.choose(
-                request, self.registry.eligible(provider, model, request), self.loop.time()
-            )
+            eligible = self.registry.eligible(provider, model, request)
+            return self.predictor.choose(request, eligible, self.loop.time(), model)
         if request.affinity is not None:
             worker = self.router.choose(request, self.registry.eligible(provider, model, request))
             if worker is not None:

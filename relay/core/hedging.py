@@ -23,12 +23,14 @@ attempts are cancelled.
 **When.** Only ``priority`` streams (a whole answer's first byte is its last), never in
 cluster mode (a second attempt would need a second shared reservation: the cluster's
 capacity is counted there), at most ``max_share`` of the ``priority`` requests (a
-credit per request, a hedge costs one, never saved beyond one) and only while the pool has
+credit per request, a hedge costs one, at most two saved up) and only while the pool has
 room: a free slot on a worker other than the first, and nothing waiting for the
 provider. Its time is the first attempt's predicted p95 (its prediction times the spread
 of that worker's, :mod:`relay.core.prediction`), never less than ``min_delay``. A
 request the share or a full pool kept from its hedge is looked at again once it has
-waited as long again: the share goes to the requests that stay silent longest.
+waited as long again; while the share is short (under two hedges' credit saved up) the
+last hedge goes only to a request silent twice its p95: the share goes to the requests
+that stay silent longest (a stall), not to those just past their p95.
 
 A request that is not hedged pays one attribute test per frame (``hedge is None``) and,
 when hedging is on, one timer per ``priority`` stream.
@@ -57,8 +59,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("relay")
 
-#: The most credit the share saves up: one hedge, so hedges never run ahead of it.
-BURST: Final = 1.0
+#: The most credit the share saves up (two hedges), and how long past its predicted p95
+#: a request must have stayed silent to take the last hedge's credit (see :meth:`_hedge`).
+BURST: Final = 2.0
+SILENT: Final = 2.0
 #: What is counted (``/admin/stats``, ``/metrics``): hedges sent, won by the second
 #: attempt, lost to the first, ended by a failure of one attempt; and timers that fired
 #: without a hedge, for the share or for a saturated pool.
@@ -109,8 +113,8 @@ class Hedging:
             return  # sent to a new worker after its hedge: not hedged twice
         if hedge.timer is not None:
             hedge.timer.cancel()
-        delay = max(config.min_delay, self.predictor.p95(request, worker))
-        hedge.timer = self.loop.call_at(now + delay, self._hedge, request)
+        hedge.due = max(config.min_delay, self.predictor.p95(request, worker))
+        hedge.timer = self.loop.call_at(now + hedge.due, self._hedge, request)
 
     def _hedge(self, request: RelayRequest) -> None:
         """The hedge timer fired: send the second attempt if it is still wanted."""
@@ -127,7 +131,12 @@ class Hedging:
         ):
             return
         now = self.loop.time()
-        if self.hedge_credit < 1.0:
+        # Past its p95 a request may be hedged; while the share is short (one hedge's
+        # credit left, not two), only one silent SILENT times that long takes it: the
+        # last credit is kept for a stall rather than spent on a request just past its
+        # p95, which mostly answers meanwhile.
+        silent = now - request.assigned_at >= SILENT * hedge.due
+        if self.hedge_credit < (1.0 if silent else BURST):
             self.hedges["over_share"] += 1
             self._defer_hedge(request, hedge, now)
             return

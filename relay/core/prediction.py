@@ -99,15 +99,17 @@ class Predictor:
         wait = 0.0 if idle else worker.busy_until - now
         return overhead + (wait if wait > 0.0 else 0.0) + (own if own > 0.0 else 0.0) * spt
 
-    def choose(self, request: RelayRequest, workers: Sequence[Worker], now: float) -> Worker | None:
-        """The worker of ``workers`` (all can take ``request`` now) predicted to answer
-        first, among those the bounded-load guard allows; None when there is none."""
+    def choose(
+        self, request: RelayRequest, workers: Sequence[Worker], now: float, model: str
+    ) -> Worker | None:
+        """The worker of ``workers`` (all can take ``request`` now, as ``model``: the
+        backend's name for it, an alias resolved) predicted to answer first, among those
+        the bounded-load guard allows; None when there is none."""
         if not workers:
             return None
         if len(workers) == 1:
             return workers[0]
         bound = self.router.bound(workers)
-        model = request.model
         per_byte = 1.0 / self.rates.bytes_per_token(model)
         tokens = request.prompt_bytes * per_byte
         blocks = request.affinity.blocks if request.affinity is not None else None

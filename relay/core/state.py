@@ -312,6 +312,7 @@ class Hedge:
     __slots__ = (
         "ahead",
         "cached",
+        "due",
         "end",
         "predicted",
         "secs",
@@ -324,6 +325,8 @@ class Hedge:
     def __init__(self) -> None:
         self.state = ARMED
         self.timer: TimerHandle | None = None
+        #: Seconds after its dispatch the request is due a hedge (its predicted p95).
+        self.due = 0.0
         #: The second attempt's worker while it races; its dispatch and prediction.
         self.worker: Worker | None = None
         self.sent_at = 0.0
