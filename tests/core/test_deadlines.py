@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import pytest
 
@@ -188,3 +189,27 @@ async def test_a_deadline_for_a_model_loaded_nowhere_is_refused_rather_than_wait
     with pytest.raises(DeadlineUnmeetable) as caught:
         send(relay, 400, 2000)
     assert "No worker can send a first token within the deadline of 2000 ms" in str(caught.value)
+
+
+async def test_a_deadline_is_checked_with_the_speeds_of_the_model_an_alias_names():
+    relay = make_relay(LEAST, aliases={"public-name": "m"})
+    slow, _ = attach(relay, name="slow", max_concurrent=4)  # serves "m"
+    taught(relay, slow, 500)
+    body = json.dumps(
+        {
+            "model": "public-name",
+            "stream": True,
+            "messages": [{"role": "user", "content": "x" * 8000}],
+        }
+    )
+    with pytest.raises(DeadlineUnmeetable) as caught:  # ~2,000 tokens at 500 a second
+        relay.submit(
+            model="public-name",
+            endpoint_path="/v1/chat/completions",
+            flavor="openai",
+            is_streaming=True,
+            body=body,
+            headers={},
+            deadline_ms=2000,
+        )
+    assert "predicted wait is 4." in str(caught.value)
