@@ -30,6 +30,7 @@ from bench import (
     peers,
     resume,
     scenarios,
+    speeds,
     targets,
 )
 from bench.procs import Processes
@@ -82,6 +83,14 @@ def settings(quick: bool) -> dict[str, Any]:
             "m_clients": 2,
             "m_skew_requests": 30,
             "m_skew_clients": 3,
+            **SPEEDS,
+            "n_seconds": 12.0,
+            "n_rounds": 1,
+            "n_warmup": 30,
+            "n_hedge_requests": 200,
+            "n_llama_seconds": 15.0,
+            "n_cost_rounds": 500,
+            "n_conversation_rounds": 1,
             "l_requests": 2_000,
             "l_rounds": 3,
             "l_workers": 100,
@@ -125,6 +134,7 @@ def settings(quick: bool) -> dict[str, Any]:
         "m_clients": 2,
         "m_skew_requests": 60,
         "m_skew_clients": 3,
+        **SPEEDS,
         "l_requests": 5_000,
         "l_rounds": 5,
         "l_workers": 100,
@@ -172,6 +182,32 @@ AFFINITY: dict[str, Any] = {
     "k_index_rounds": 1000,
     "k_memory_conversations": 100_000,
     "k_redis_calls": 2000,
+}
+
+
+#: (n) speed-aware routing: boxes of known speeds and the workload (bench/speeds.py).
+SPEEDS: dict[str, Any] = {
+    "n_cost_us": 250.0,
+    "n_decode_ms": 20.0,
+    "n_reply_tokens": 16,
+    "n_short_bytes": 800,
+    "n_long_bytes": 12000,
+    "n_load": 0.25,
+    "n_slots": 8,
+    "n_warmup": 40,
+    "n_seconds": 30.0,
+    "n_rounds": 2,
+    "n_hedge_requests": 400,
+    "n_hedge_share": 0.05,
+    "n_stall_secs": 5.0,
+    "n_llama_short_bytes": 300,
+    "n_llama_long_bytes": 3000,
+    "n_llama_cost_us": 800.0,
+    "n_llama_warmup": 20,
+    "n_llama_seconds": 40.0,
+    "n_llama_rounds": 1,
+    "n_cost_rounds": 2000,
+    "n_conversation_rounds": 2,
 }
 
 
@@ -442,6 +478,9 @@ class Campaign:
         if "m" in only:
             self.log("models on demand (real llama-servers in router mode):")
             self.res["ondemand"] = ondemand.run(self.procs, self.workdir, self.s, self.log)
+        if "n" in only:
+            self.log("speed-aware routing (fake boxes of known speeds, a llama-server pair):")
+            self.res["speeds"] = speeds.run(self.procs, self.workdir, self.s, self.log)
         if "l" in only:
             self.log("fleet observability (tracing off and on, federation of 100 workers):")
             self.res["fleet"] = fleet.run(self.s, self.log)

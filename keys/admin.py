@@ -23,6 +23,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
         "weight",
         "default_class",
         "max_class",
+        "deadline_ms",
         "limits",
         "expires_at",
         "created_at",
@@ -46,6 +47,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
                     "expires_at",
                     "weight",
                     ("default_class", "max_class"),
+                    "deadline_ms",
                 ),
                 "description": "Over a limit a client gets 429 with Retry-After (403 for a "
                 "model not allowed, 401 once expired). See docs/OPERATIONS.md.",

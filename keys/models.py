@@ -11,6 +11,7 @@ from django.db import models
 
 from relay.core.classes import CLASSES, DEFAULT
 from relay.core.credentials import generate_secret, hash_secret, lookup_prefix
+from relay.core.deadlines import MAX_DEADLINE_MS
 from relay.core.limits import MAX_WEIGHT, KeyLimits
 
 CLASS_CHOICES = [(name, name) for name in CLASSES]
@@ -92,6 +93,14 @@ class ApiKey(models.Model):
         help_text="The highest class this key's requests may ask for; asking above it is "
         "clamped to it, not refused.",
     )
+    deadline_ms = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_DEADLINE_MS)],
+        help_text="Time to first token (ms) this key's requests accept when they state none "
+        "(X-Deadline-Ms). A request no worker is predicted to answer in time is refused at "
+        "once with 503 and Retry-After. Empty: the class's default, if any.",
+    )
 
     class Meta:
         ordering = ["-created_at"]
@@ -122,6 +131,7 @@ class ApiKey(models.Model):
             weight=self.weight,
             default_class=self.default_class,
             max_class=self.max_class,
+            deadline_ms=self.deadline_ms,
         )
 
     def assign_new_secret(self) -> str:

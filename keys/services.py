@@ -25,6 +25,7 @@ LIMIT_FIELDS = (
     "weight",
     "default_class",
     "max_class",
+    "deadline_ms",
 )
 
 

@@ -201,10 +201,11 @@ PRIORITY_MAX_PREEMPTIONS = env_int("PRIORITY_MAX_PREEMPTIONS", 3)
 # (blocks per worker, explicit keys), the bounded-load guard (factor and slack), the
 # share of a prompt a prefix match must cover to decide, and whether API keys share
 # prefixes (off: each key is routed by its own alone, so no key learns of another's).
+# (predicted: the worker predicted to send the first token soonest, SPEC §21, below.)
 ROUTING_POLICY = env_str("ROUTING_POLICY", "cache_aware")
-if ROUTING_POLICY not in ("cache_aware", "least_load"):
+if ROUTING_POLICY not in ("cache_aware", "least_load", "predicted"):
     raise ImproperlyConfigured(
-        f"ROUTING_POLICY must be cache_aware or least_load, got {ROUTING_POLICY!r}"
+        f"ROUTING_POLICY must be cache_aware, least_load or predicted, got {ROUTING_POLICY!r}"
     )
 AFFINITY_SESSION_HEADER = env_str("AFFINITY_SESSION_HEADER", "X-Session-Id").lower()
 AFFINITY_BLOCK_BYTES = env_int("AFFINITY_BLOCK_BYTES", 1024, minimum=16)
@@ -219,6 +220,28 @@ if AFFINITY_LOAD_FACTOR < 1.0:
     raise ImproperlyConfigured("AFFINITY_LOAD_FACTOR must be at least 1")
 if not 0.0 <= AFFINITY_MIN_MATCH <= 1.0:
     raise ImproperlyConfigured("AFFINITY_MIN_MATCH must be between 0 and 1")
+# Speed-aware routing (SPEC §21, relay/core/rates.py, prediction.py, deadlines.py,
+# hedging.py): the half-life of learned speeds (a box that slows down is noticed within
+# about one), how often a cluster's processes share them through Redis; the first-token
+# deadline of a request of each class that states none and whose key gives none (0:
+# none); hedging of priority streams (the most hedges as a share of priority requests,
+# 0: off; the least wait before one).
+RATES_HALF_LIFE_SECS = env_float("RATES_HALF_LIFE_SECS", 120.0)
+RATES_SHARE_SECS = env_float("RATES_SHARE_SECS", 5.0)
+DEADLINE_MS_PRIORITY = env_int("DEADLINE_MS_PRIORITY", 0)
+DEADLINE_MS_DEFAULT = env_int("DEADLINE_MS_DEFAULT", 0)
+DEADLINE_MS_FLEX = env_int("DEADLINE_MS_FLEX", 0)
+for _name, _ms in (
+    ("DEADLINE_MS_PRIORITY", DEADLINE_MS_PRIORITY),
+    ("DEADLINE_MS_DEFAULT", DEADLINE_MS_DEFAULT),
+    ("DEADLINE_MS_FLEX", DEADLINE_MS_FLEX),
+):
+    if _ms > 3_600_000:
+        raise ImproperlyConfigured(f"{_name} must be at most 3600000 (an hour), got {_ms}")
+HEDGE_MAX_SHARE = env_float("HEDGE_MAX_SHARE", 0.0, positive=False)
+if HEDGE_MAX_SHARE > 1.0:
+    raise ImproperlyConfigured(f"HEDGE_MAX_SHARE must be between 0 and 1, got {HEDGE_MAX_SHARE}")
+HEDGE_MIN_DELAY_MS = env_int("HEDGE_MIN_DELAY_MS", 50, minimum=1)
 # Requests that do not generate (token counting) one worker runs at once, besides and
 # never in its generation slots.
 NON_GENERATING_PER_WORKER = env_int("NON_GENERATING_PER_WORKER", 4, minimum=1)

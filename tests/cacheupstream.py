@@ -11,10 +11,18 @@ machine of two cores (the wait is a sleep, not work).
 It answers ``POST /v1/chat/completions`` (JSON, or SSE with ``"stream": true``) with a
 deterministic reply, and reports what it reused as OpenAI does
 (``usage.prompt_tokens_details.cached_tokens``) or, with ``report="llama"``, as
-llama-server does (``timings.cache_n``, no ``usage`` in a stream). ``GET /v1/models``
-lists ``model``. Every request is recorded (:class:`Served`): its raw body, prompt and
-reused tokens, and how many requests each upstream of its ``pool`` was running when it
-arrived.
+llama-server does (``timings.cache_n``, ``prompt_ms``, ``predicted_ms``, no ``usage`` in
+a stream). ``GET /v1/models`` lists ``model``. Every request is recorded (:class:`Served`):
+its raw body, prompt and reused tokens, how many requests each upstream of its ``pool``
+was running when it arrived, and when its first byte left.
+
+Speed-aware routing (SPEC §21) needs boxes of different speeds: ``serial_prefill`` makes
+the backend process one prompt at a time (a GPU's compute: the prompts sent together
+queue for it), ``decode_per_token`` streams the reply a token per event at that pace,
+and ``stall_every`` / ``stall_secs`` hold every n-th request that long before its first
+byte (a box whose GPU is busy with something else now and then). Every attribute may
+be changed while it runs (:meth:`UpstreamPool.set`); :func:`caching_upstreams` takes
+``speeds``, one factor per upstream dividing its times.
 
 ``with caching_upstreams(2) as ups:`` runs them on one loop in a thread.
 """
@@ -48,6 +56,9 @@ class Served:
     loads: list[int]
     index: int
     arrived: float
+    #: When its first byte was written (``time.monotonic``; 0: none yet).
+    first_byte: float = 0.0
+    stalled: bool = False
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -110,12 +121,22 @@ class CachingUpstream:
         cost_per_token: float = 0.0,
         report: str = "openai",
         reply_tokens: int = 8,
+        serial_prefill: bool = False,
+        decode_per_token: float = 0.0,
+        stall_every: int = 0,
+        stall_secs: float = 0.0,
     ) -> None:
         self.model = model
         self.cache = PrefixCache(capacity_blocks)
         self.cost_per_token = cost_per_token
         self.report = report
         self.reply_tokens = reply_tokens
+        self.serial_prefill = serial_prefill
+        self.decode_per_token = decode_per_token
+        self.stall_every = stall_every
+        self.stall_secs = stall_secs
+        self._prefilling = asyncio.Lock()
+        self._count = 0
         self.served: list[Served] = []
         self.in_flight = 0
         self.pool: list[CachingUpstream] = [self]
@@ -177,17 +198,26 @@ class CachingUpstream:
         prompt, cached = self.cache.serve(render(doc))
         self.in_flight += 1
         loads = [up.in_flight for up in self.pool]
-        self.served.append(
-            Served(
-                "/v1/chat/completions", body, prompt, cached, loads, self.index, time.monotonic()
-            )
+        record = Served(
+            "/v1/chat/completions", body, prompt, cached, loads, self.index, time.monotonic()
         )
+        self.served.append(record)
+        self._count += 1
         try:
             if self.gate is not None:
                 await self.gate.wait()
+            if self.stall_every and self._count % self.stall_every == 0:
+                record.stalled = True
+                await asyncio.sleep(self.stall_secs)
+            started = time.monotonic()
             delay = self.cost_per_token * (prompt - cached)
-            if delay > 0:
+            if delay > 0 and self.serial_prefill:
+                async with self._prefilling:
+                    started = time.monotonic()
+                    await asyncio.sleep(delay)
+            elif delay > 0:
                 await asyncio.sleep(delay)
+            prompt_ms = 1000 * (time.monotonic() - started)
             turn = sum(1 for m in doc.get("messages", []) if m.get("role") == "user")
             text = f"Reply {turn} from upstream {self.index}. " + "ok " * self.reply_tokens
             usage = {
@@ -196,7 +226,14 @@ class CachingUpstream:
                 "total_tokens": prompt + self.reply_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached},
             }
-            timings = {"cache_n": cached, "prompt_n": prompt - cached}
+            decode_ms = 1000 * self.decode_per_token * self.reply_tokens
+            timings = {
+                "cache_n": cached,
+                "prompt_n": prompt - cached,
+                "prompt_ms": round(prompt_ms, 3),
+                "predicted_n": self.reply_tokens,
+                "predicted_ms": round(decode_ms, 3),
+            }
             base = {"id": "chatcmpl-1", "created": 1_700_000_000, "model": doc.get("model")}
             if not doc.get("stream"):
                 document: dict[str, Any] = base | {
@@ -213,6 +250,9 @@ class CachingUpstream:
                     document["timings"] = timings
                 else:
                     document["usage"] = usage
+                if decode_ms:
+                    await asyncio.sleep(decode_ms / 1000)
+                record.first_byte = time.monotonic()
                 await self._write(writer, 200, _json.encode(document))
                 return
             writer.write(
@@ -220,18 +260,29 @@ class CachingUpstream:
                 b"transfer-encoding: chunked\r\n\r\n"
             )
             chunk = base | {"object": "chat.completion.chunk"}
-            delta = {"role": "assistant", "content": text}
+            # Paced: the first event carries the reply's head, then a token each.
+            pieces = [text] if not self.decode_per_token else text.split("ok ")
+            if self.decode_per_token:
+                pieces = [pieces[0]] + ["ok "] * (len(pieces) - 1)
             events = [
-                chunk | {"choices": [{"index": 0, "delta": delta}]},
+                chunk
+                | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": piece}}]}
+                for piece in pieces
+            ]
+            events.append(
                 chunk
                 | {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-                | ({"timings": timings} if self.report == "llama" else {}),
-            ]
+                | ({"timings": timings} if self.report == "llama" else {})
+            )
             if self.report != "llama":
                 events.append(chunk | {"choices": [], "usage": usage})
-            for event in events:
+            for i, event in enumerate(events):
+                if i and i < len(pieces) and self.decode_per_token:
+                    await asyncio.sleep(self.decode_per_token)
                 data = b"data: " + _json.encode(event) + b"\n\n"
                 writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                if not i:
+                    record.first_byte = time.monotonic()
                 await writer.drain()
             done = b"data: [DONE]\n\n"
             writer.write(f"{len(done):x}\r\n".encode() + done + b"\r\n0\r\n\r\n")
@@ -241,11 +292,13 @@ class CachingUpstream:
 
 
 class UpstreamPool:
-    """Several caching upstreams on one event loop in a thread (synchronous callers)."""
+    """Several caching upstreams on one event loop in a thread (synchronous callers);
+    ``speeds``: one factor per upstream, dividing its prefill and decode times."""
 
-    def __init__(self, count: int, **options: Any) -> None:
+    def __init__(self, count: int, speeds: list[float] | None = None, **options: Any) -> None:
         self.count = count
         self.options = options
+        self.speeds = speeds or [1.0] * count
         self.upstreams: list[CachingUpstream] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -254,7 +307,13 @@ class UpstreamPool:
         self._thread.start()
 
         async def make() -> list[CachingUpstream]:
-            ups = [await CachingUpstream(**self.options).start() for _ in range(self.count)]
+            ups = []
+            for i in range(self.count):
+                options = dict(self.options)
+                for name in ("cost_per_token", "decode_per_token"):
+                    if name in options:
+                        options[name] = options[name] / self.speeds[i]
+                ups.append(await CachingUpstream(**options).start())
             for i, up in enumerate(ups):
                 up.pool, up.index = ups, i
             return ups
@@ -289,6 +348,15 @@ class UpstreamPool:
                 up.gate = None
 
         self._call(open_)
+
+    def set(self, index: int, **attributes: Any) -> None:
+        """Change upstream ``index`` while it runs (a box that slows down, or stalls)."""
+
+        def apply() -> None:
+            for name, value in attributes.items():
+                setattr(self.upstreams[index], name, value)
+
+        self._call(apply)
 
     def _call(self, fn: Any) -> None:
         async def run() -> None:

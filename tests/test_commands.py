@@ -168,12 +168,15 @@ def test_create_api_key_takes_its_limits_as_flags():
         "flex",
         "--max-class",
         "priority",
+        "--deadline-ms",
+        "1500",
     )
     assert "key (shown once): mrk_" in output
     key = ApiKey.objects.get(name="lab")
     limits = key.limits()
     assert (limits.max_concurrent, limits.requests_per_minute, limits.weight) == (2, 30, 2)
     assert (limits.default_class, limits.max_class) == ("flex", "priority")
+    assert limits.deadline_ms == 1500
     assert (limits.tokens_per_day, limits.tokens_per_month) == (50_000, 1_000_000)
     assert limits.allowed_models == {"llama3-8b", "qwen"}
     assert key.expires_at is not None
@@ -187,3 +190,6 @@ def test_create_api_key_takes_its_limits_as_flags():
         run("create_api_key", "rude", "--max-class", "urgent")
     with pytest.raises(CommandError, match="--expires"):
         run("create_api_key", "when", "--expires", "someday")
+    for bad in ("0", "3600001"):
+        with pytest.raises(CommandError, match="deadline_ms"):
+            run("create_api_key", "hasty", "--deadline-ms", bad)

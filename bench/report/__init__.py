@@ -12,6 +12,7 @@
 - :mod:`bench.report.fleet`: (l) fleet observability (tracing, federation);
 - :mod:`bench.report.accesslog`: what the access log costs, from (a);
 - :mod:`bench.report.ondemand`: (m) models on demand;
+- :mod:`bench.report.speeds`: (n) speed-aware routing;
 - :mod:`bench.report.resume`: (o) streams that survive a dropped connection;
 - :mod:`bench.report.notes`: caveats and daphne against uvicorn;
 - :mod:`bench.report.profiles`: the py-spy profiles;
@@ -34,6 +35,7 @@ from bench.report import (
     ratios,
     resume,
     sections,
+    speeds,
 )
 
 LEGEND = (
@@ -64,6 +66,7 @@ def tables(res: dict[str, Any]) -> str:
         fleet.fleet(res),
         accesslog.access_log(res),
         ondemand.ondemand(res),
+        speeds.speeds(res),
         resume.resume(res),
         cluster.failover(res),
     ]

@@ -8,6 +8,9 @@ interface) and ``fairqueue`` (its order: API keys in weighted round-robin),
 side of cluster mode), ``capacity`` (worker loss, requeue, feeding the queue) and
 ``residency`` with ``upkeep`` (models on demand: what is loaded where; the choices
 themselves in ``modelplan``),
+speed-aware routing (SPEC §21): ``rates`` (learned speeds per worker and model),
+``prediction`` (time to first token), ``deadlines`` and ``hedging`` (bases of the
+dispatcher too),
 ``relay`` (the :class:`~relay.core.relay.Relay` the edges hold: the dispatcher plus
 the frames that come from workers), ``config``, ``stats``, ``timeline`` and
 ``snapshot`` (read-only views), ``keycache``, ``credentials`` and ``ratelimit``;

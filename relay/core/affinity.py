@@ -71,8 +71,10 @@ class RelayRequest(Protocol):
     affinity: Affinity | None
 
 
-Policy = Literal["cache_aware", "least_load"]
-POLICIES: tuple[Policy, ...] = ("cache_aware", "least_load")
+#: ``predicted`` (SPEC §21): the worker predicted to send the first token soonest, the
+#: cache one input of the prediction (:mod:`relay.core.prediction`), within the guard.
+Policy = Literal["cache_aware", "least_load", "predicted"]
+POLICIES: tuple[Policy, ...] = ("cache_aware", "least_load", "predicted")
 #: Decisions, as counted: the key's or the longest prefix's worker took it ("hit"),
 #: nothing was known ("miss"), or its holder was over the guard ("guard").
 DECISIONS = ("hit", "miss", "guard")
@@ -302,7 +304,14 @@ class Router:
 
     @property
     def enabled(self) -> bool:
-        return self.config.policy == "cache_aware"
+        """Whether requests get an affinity: the cache decides (``cache_aware``) or is
+        one input of the prediction (``predicted``)."""
+        return self.config.policy != "least_load"
+
+    @property
+    def predicts(self) -> bool:
+        """Whether the prediction chooses the worker (SPEC §21)."""
+        return self.config.policy == "predicted"
 
     def affinity(
         self, prompt: Prompt | None, model: str, session: str | None, key_id: int | None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from relay.core.affinity import Router
 from relay.core.config import RelayConfig
+from relay.core.rates import Rates
 from relay.core.registry import Registry
 from relay.core.state import Completion, RelayRequest, Worker
 from relay.core.stats import RelayStats
@@ -42,6 +43,7 @@ class Capacity:
         placement: Placement | None
         stats: RelayStats
         router: Router
+        rates: Rates
         shutting_down: bool
         active: int
         _idle: asyncio.Event
@@ -73,12 +75,15 @@ class Capacity:
 
         def _await_model(self, state: ProviderState, request: RelayRequest) -> None: ...
 
+        def _attempt_failed(self, request: RelayRequest, worker: Worker) -> bool: ...
+
     def detach_worker(self, worker: Worker, reason: str) -> None:
         """The worker is gone: requeue what can be, fail the rest. Idempotent."""
         if not worker.attached:
             return
         self.registry.remove(worker, self.loop.time())
         self.router.forget_worker(worker.id)
+        self.rates.forget(worker)
         if worker.states is not None:
             self._forget_worker_models(worker)
         if self.placement is not None:
@@ -92,6 +97,8 @@ class Capacity:
         worker.light = 0
         touched: set[str] = set()
         for request in orphans:
+            if request.hedge is not None and self._attempt_failed(request, worker):
+                continue  # its other attempt goes on
             request.worker = None
             if self._requeue(request):
                 touched.add(request.provider)

@@ -12,11 +12,13 @@ import time
 from typing import TYPE_CHECKING
 
 from relay.core.config import RelayConfig
+from relay.core.prediction import prompt_bytes
 from relay.core.registry import Registry
 from relay.core.state import Completion, Phase, RelayRequest, Worker
 from relay.wire.errors import Flavor, RelayError, WorkerUnavailable
 
 if TYPE_CHECKING:
+    from relay.core.affinity import Prompt
     from relay.core.placement import Placement
     from relay.core.providers import ProviderState
 
@@ -127,6 +129,7 @@ class ClusterSide:
         service_class: str = "default",
         preemptions: int = 0,
         trace: object = None,
+        prompt: Prompt | None = None,
     ) -> RelayRequest:
         """Admit a request another process placed on one of our workers (its slot is
         reserved under ``lease``). Raises :class:`WorkerUnavailable` when that worker can
@@ -166,6 +169,7 @@ class ClusterSide:
         request.relay_role = "worker"
         request.service_class = service_class  # (for the request log written here)
         request.preemptions = preemptions
+        request.prompt_bytes = prompt_bytes(prompt, body)  # (what its prediction here reads)
         self.active += 1
         self._assign(request, worker, now)
         return request

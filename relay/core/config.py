@@ -10,9 +10,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from relay.core.affinity import AffinityConfig
+from relay.core.speed import SpeedConfig
 from relay.wire.protocol import ACCEPTED_PROTOCOL_VERSIONS
 
 MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineConfig:
+    """First-token deadlines (SPEC §21, :mod:`relay.core.deadlines`), the DEADLINE_MS_*
+    settings: priority class -> the deadline (milliseconds) of a request of that class
+    that states none and whose key gives none (absent: none)."""
+
+    by_class: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HedgeConfig:
+    """Hedged priority streams (SPEC §21, :mod:`relay.core.hedging`), the HEDGE_* settings."""
+
+    #: The most hedges, as a share of ``priority`` requests (HEDGE_MAX_SHARE; 0: off).
+    max_share: float = 0.0
+    #: The least time a ``priority`` stream waits for its first byte before it is
+    #: hedged (HEDGE_MIN_DELAY_MS), whatever its predicted p95.
+    min_delay: float = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +89,11 @@ class RelayConfig:
     model_load_timeout: float = 300.0
     model_scale_out_wait: float = 10.0
     model_idle_unload: float = 0.0
+    #: Speed-aware routing (SPEC §21): how speeds are learned (RATES_*), first-token
+    #: deadlines' defaults per class (DEADLINE_MS_*), hedging (HEDGE_*).
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    hedging: HedgeConfig = field(default_factory=HedgeConfig)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,13 +29,17 @@ from collections.abc import Callable
 
 from relay.core.affinity import Prompt, Router
 from relay.core.capacity import Capacity
-from relay.core.classes import DEFAULT, RANK
+from relay.core.classes import DEFAULT, PRIORITY, RANK
 from relay.core.cluster import ClusterSide
 from relay.core.config import RelayConfig
+from relay.core.deadlines import Deadlines
+from relay.core.hedging import Hedging
 from relay.core.limits import Ticket
 from relay.core.placement import Placement
+from relay.core.prediction import Predictor, prompt_bytes
 from relay.core.preemption import Preemption
 from relay.core.providers import ProviderState, ProviderTable
+from relay.core.rates import Rates
 from relay.core.registry import Registry
 from relay.core.residency import Residency
 from relay.core.routes import NON_GENERATING
@@ -62,7 +66,16 @@ logger = logging.getLogger("relay")
 Observer = Callable[[RequestRecord], None]
 
 
-class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, ModelUpkeep):
+class Dispatcher(
+    ProviderTable,
+    ClusterSide,
+    Capacity,
+    Preemption,
+    Residency,
+    ModelUpkeep,
+    Deadlines,
+    Hedging,
+):
     def __init__(self, config: RelayConfig, *, instance: str | None = None) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
@@ -72,6 +85,12 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         self.stats = RelayStats()
         #: Cache-aware routing (SPEC §14); chooses only while its policy is cache_aware.
         self.router = Router(config.affinity)
+        #: Speed-aware routing (SPEC §21): learned speeds, and the predictions made of
+        #: them (for every request: they choose under ROUTING_POLICY=predicted and for
+        #: requests with a deadline, and are shown against what was measured).
+        self.rates = Rates(config.speed)
+        self.predictor = Predictor(self.rates, self.router)
+        self._hedging_on = config.hedging.max_share > 0.0
         self.observers: list[Observer] = [self.stats.observe]
         self.started_wall = time.time()
         self.shutting_down = False
@@ -94,6 +113,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         self.remote_loaded: dict[str, frozenset[str]] = {}
         self.evicted: dict[str, int] = {}
         self._init_residency()
+        self._init_deadlines()
+        self._init_hedging()
 
     # ------------------------------------------------------------------ requests
 
@@ -112,6 +133,7 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         trace: object = None,
         prompt: Prompt | None = None,
         session: str | None = None,
+        deadline_ms: int | None = None,
     ) -> RelayRequest:
         """Admit a client request: assign it now, queue it, or raise a RelayError.
 
@@ -127,6 +149,10 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
 
         ``prompt`` is what cache-aware routing reads of the body (SPEC §14), decoded
         by the edge with the model, and ``session`` its session header's value.
+
+        ``deadline_ms`` is the time to first token the client can accept (SPEC §21):
+        when no worker is predicted to meet it this raises
+        :class:`~relay.wire.errors.DeadlineUnmeetable` (:mod:`relay.core.deadlines`).
         """
         request_id = f"r-{self.instance}-{self._seq + 1:x}"
         try:
@@ -159,6 +185,10 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         request.trace = trace
         request.service_class = service_class
         request.rank = RANK[service_class]
+        request.prompt_bytes = prompt_bytes(prompt, body)
+        if deadline_ms:
+            request.deadline_ms = deadline_ms
+            request.first_token_by = now + deadline_ms / 1000
         if self.router.enabled:
             affinity = request.affinity = self.router.affinity(prompt, model, session, key_id)
             if affinity is not None:
@@ -177,6 +207,12 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
             # Any worker of the cluster: the placement reserves one or queues the
             # request in the shared queue; meanwhile it waits here, deadlines armed.
             self._aim(request, primary, primary_target)
+            if request.first_token_by:
+                try:
+                    self._check_cluster(primary, request, now)
+                except RelayError as exc:
+                    self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+                    raise
             self.active += 1
             self._enqueue(primary, request, now)
             self._await_model(primary, request)  # before its entry is placed: its deadline
@@ -186,7 +222,13 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         for state, target in candidates:
             worker = self._select(state.policy.name, target, request)
             if worker is not None:
-                self._aim(request, state, target)
+                self._aim(request, state, target)  # (its model is the backend's name now)
+                if request.first_token_by:
+                    try:
+                        self._check_now(request, worker, now)
+                    except RelayError as exc:
+                        self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+                        raise
                 self.active += 1
                 self._assign(request, worker, now)
                 return request
@@ -202,6 +244,12 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
             self.record_rejection(full, model, endpoint_path, is_streaming, key_id)
             raise full
         self._aim(request, primary, primary_target)
+        if request.first_token_by:
+            try:
+                self._check_queued(primary, request, now)
+            except RelayError as exc:
+                self.record_rejection(exc, model, endpoint_path, is_streaming, key_id)
+                raise
         self.active += 1
         self._enqueue(primary, request, now)
         self._preempt_for(primary, request)
@@ -209,8 +257,13 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         return request
 
     def _select(self, provider: str, model: str, request: RelayRequest) -> Worker | None:
-        """The worker for ``request`` now: the one holding its prefix within the
-        bounded-load guard (SPEC §14), else the least loaded (§6); None: none free."""
+        """The worker for ``request`` now: the one predicted to answer first within the
+        bounded-load guard (SPEC §21: ROUTING_POLICY=predicted, or it has a deadline),
+        else the one holding its prefix within the guard (§14), else the least loaded
+        (§6); None: none free."""
+        if self.router.predicts or request.first_token_by:
+            eligible = self.registry.eligible(provider, model, request)
+            return self.predictor.choose(request, eligible, self.loop.time(), model)
         if request.affinity is not None:
             worker = self.router.choose(request, self.registry.eligible(provider, model, request))
             if worker is not None:
@@ -327,6 +380,11 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         request.worker = None
         request.enqueued_at = now
         request.queue_deadline = min(now + state.policy.queue_timeout, request.deadline)
+        if request.first_token_by:
+            # It leaves at the last moment it could still start in time (SPEC §21).
+            request.start_by = self._start_by(request, now)
+            if request.start_by < request.queue_deadline:
+                request.queue_deadline = request.start_by
         state.queue.push(request)
         self._arm(request, request.queue_deadline)
 
@@ -341,6 +399,10 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         request.worker_id = worker.id
         request.worker_name = worker.name
         worker.in_flight[request.id] = request
+        if not request.light and not worker.remote:
+            self.predictor.assigned(request, worker, now)  # (before the router's note)
+            if self._hedging_on and request.service_class == PRIORITY:
+                self._arm_hedge(request, worker, now)
         if request.affinity is not None:
             self.router.assigned(request, worker)
         if worker.states is not None:
@@ -376,6 +438,9 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
             return
         worker.take(request.id)
         request.worker = None
+        self.predictor.dropped(request, worker, self.loop.time())
+        if request.hedge is not None:
+            self._abandon_hedge(request, reason)
         if worker.attached:
             if (
                 reason not in protocol.BASE_CANCEL_REASONS
@@ -397,7 +462,16 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
             state = self.providers.get(request.provider)
             if state is not None:
                 state.queue.remove(request)
-            if request.queue_deadline < request.deadline:
+            if request.start_by and request.queue_deadline == request.start_by:
+                logger.info(
+                    "deadline: %s left the queue (its first token could no longer come in "
+                    "time) model=%s",
+                    request.id,
+                    request.model,
+                    extra={"request_id": request.id},
+                )
+                self._finish(request, self._deadline_error(request, state))
+            elif request.queue_deadline < request.deadline:
                 logger.info(
                     "queue timeout: %s model=%s",
                     request.id,
@@ -438,6 +512,9 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
         if request.timer is not None:
             request.timer.cancel()
             request.timer = None
+        if request.hedge is not None and request.hedge.timer is not None:
+            request.hedge.timer.cancel()
+            request.hedge.timer = None
         now = self.loop.time()
         request.finished_at = now
         if request.enqueued_at is not None:
@@ -448,6 +525,8 @@ class Dispatcher(ProviderTable, ClusterSide, Capacity, Preemption, Residency, Mo
             request.outcome = outcome or ("ok" if result.status < 400 else "upstream_error")
             if request.first_byte_at is None:
                 request.first_byte_at = now
+                if request.first_token_by:
+                    self._first_token(request, now)
         elif isinstance(result, RelayError):
             request.status = result.status
             request.outcome = outcome or result.outcome

@@ -147,6 +147,9 @@ class KeyLimits:
     #: highest it may ask for.
     default_class: str = "default"
     max_class: str = "default"
+    #: The first-token deadline (ms) of a request that states none (SPEC §21); None:
+    #: its class's, if any.
+    deadline_ms: int | None = None
 
     @property
     def budgeted(self) -> bool:

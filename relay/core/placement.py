@@ -32,6 +32,11 @@ class Placement(Protocol):
         """``request`` (queued here, with its provider and model resolved) needs a slot:
         reserve one anywhere, or add it to the shared queue."""
 
+    def predict(self, request: RelayRequest) -> float | None:
+        """Speed-aware routing (SPEC §21): ``request``'s lowest predicted time to first
+        token on the workers of the other processes, from the speeds and loads they
+        share (as of their last report; never waits on Redis); None: none known."""
+
     def withdraw(self, request: RelayRequest) -> None:
         """A request that was waiting ended here (cancel, timeout): drop its entry."""
 

@@ -173,6 +173,8 @@ class Relay(Dispatcher):
     ) -> None:
         if request.detached:
             return  # its client left after the last event: these bytes reach nobody
+        if request.hedge is not None:
+            self._race(request, worker)  # the first frame of either attempt wins
         size = len(data)
         request.streamed_bytes += size
         if request.streamed_bytes > self.config.max_stream_bytes:
@@ -201,7 +203,10 @@ class Relay(Dispatcher):
             return
         if not request.delivered:
             request.delivered = True
-            request.first_byte_at = self.loop.time()
+            now = request.first_byte_at = self.loop.time()
+            self.predictor.started(request, worker, now)
+            if request.first_token_by:
+                self._first_token(request, now)
         request.pending += size
         self.buffered += size
         request.push(data)
@@ -240,9 +245,13 @@ class Relay(Dispatcher):
         if request is None:
             self._stray(worker, "response_complete", message.request_id)
             return
+        if request.hedge is not None:
+            self._race(request, worker)
         request.worker = None
         worker.requests_served += 1
-        self._used(worker, request.model, self.loop.time())
+        now = self.loop.time()
+        self._used(worker, request.model, now)
+        self.predictor.dropped(request, worker, now)  # (a whole answer's prefill is long done)
         if not 200 <= message.status_code <= 599:
             # 1xx would let a worker write a second response onto the client's
             # connection (response splitting); only final statuses are relayed.
@@ -258,6 +267,8 @@ class Relay(Dispatcher):
             if request.buffer:
                 body = "".join(request.buffer) + body
             request.token_counts = message.token_counts
+            if not worker.remote:
+                self.rates.observe(request, worker, message.token_counts, now, message.status_code)
             self.router.completed(request, worker, message.token_counts)
             self._finish(request, Completion(message.status_code, message.headers, body.encode()))
         self._freed(worker, request.lease, light=request.light)
@@ -270,7 +281,11 @@ class Relay(Dispatcher):
         if request is None:
             self._stray(worker, "error", message.request_id)
             return
+        if request.hedge is not None and self._attempt_failed(request, worker):
+            self._freed(worker, light=request.light)  # the other attempt goes on
+            return
         request.worker = None
+        self.predictor.dropped(request, worker, self.loop.time())
         lease = request.lease  # requeueing takes the request's reservation away
         handed_back = message.code == protocol.BACKEND_UNREACHABLE
         if handed_back and protocol.BACKEND_HEALTH in worker.features:

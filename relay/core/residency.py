@@ -263,6 +263,8 @@ class Residency:
         self._ensure_residency()
         started = request.enqueued_at if request.enqueued_at is not None else self.loop.time()
         deadline = min(started + self.config.model_load_timeout, request.deadline)
+        if request.start_by:  # (no load is waited for past a first-token deadline)
+            deadline = min(deadline, request.start_by)
         if deadline > request.queue_deadline:
             request.queue_deadline = deadline
             self._arm(request, deadline)

@@ -12,6 +12,8 @@ from typing import Any
 
 from relay import __version__
 from relay.core import timeline
+from relay.core.deadlines import RESULTS as DEADLINE_RESULTS
+from relay.core.hedging import RESULTS as HEDGE_RESULTS
 from relay.core.relay import Relay
 from relay.core.state import Worker
 
@@ -37,7 +39,40 @@ def describe_worker(relay: Relay, worker: Worker) -> dict[str, Any]:
         "last_pong_secs_ago": round(now - worker.last_pong, 3),
         "model_capacity": worker.model_capacity,
         "model_states": model_states(worker, now),
+        "prefill_backlog_secs": round(max(0.0, worker.busy_until - now), 3),
+        "speeds": speeds(relay, worker, now),
     }
+
+
+def speeds(relay: Relay, worker: Worker, now: float) -> list[dict[str, Any]]:
+    """Speed-aware routing (SPEC §21): for each of ``worker``'s models, its learned
+    prefill and decode rates, overhead, service time and confidence, and its predicted
+    against its measured time to first token; ``learned`` false while it borrows the
+    fleet's median (no history here yet)."""
+    out = []
+    for model in worker.models:
+        speed = worker.speed.get(model)
+        if speed is None:
+            fit = relay.rates.prior(model, now)
+            out.append(
+                {
+                    "model": model,
+                    "learned": False,
+                    "prefill_tokens_per_sec": round(1.0 / fit.secs_per_token, 1),
+                    "decode_tokens_per_sec": round(fit.decode, 2),
+                    "overhead_ms": round(fit.overhead * 1000, 1),
+                    "service_secs": round(fit.service, 3),
+                    "confidence": 0.0,
+                    "samples": 0,
+                    "predicted_ttft_ms": None,
+                    "measured_ttft_ms": None,
+                    "p95_over_predicted": None,
+                }
+            )
+            continue
+        relay.rates.fit(worker, model, now)  # (aged to now: confidence fades)
+        out.append({"model": model, "learned": True, **speed.describe()})
+    return out
 
 
 def model_states(worker: Worker, now: float) -> list[dict[str, Any]] | None:
@@ -116,6 +151,18 @@ def stats(relay: Relay) -> dict[str, Any]:
             "loading": sorted(f"{p}/{m}" for p, m in relay.loading()),
         },
         "routing": relay.router.describe(),
+        "speed": {
+            "bytes_per_token": {
+                model: round(relay.rates.bytes_per_token(model), 3)
+                for model in relay.rates.models()
+            },
+            "deadlines": {result: relay.deadlines[result] for result in DEADLINE_RESULTS},
+            "hedges": {result: relay.hedges[result] for result in HEDGE_RESULTS},
+            "hedging": {
+                "max_share": relay.config.hedging.max_share,
+                "credit": round(relay.hedge_credit, 3),
+            },
+        },
         "queue_by_class": _by_class(relay),
         "cancels": dict(sorted(s.cancels.items())),
         "dropped_worker_frames": s.dropped_frames,

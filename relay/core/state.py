@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from relay.core.affinity import Affinity
     from relay.core.limits import Ticket
+    from relay.core.speed import Speed
     from relay.wire.protocol import ServerMessage, TokenCounts
 
 
@@ -67,22 +68,27 @@ class RelayRequest:
         "_events",
         "_waiter",
         "affinity",
+        "ahead",
         "assigned_at",
         "awaits_load",
         "body",
         "buffer",
+        "cached_guess",
         "cluster_seq",
         "created",
         "created_wall",
         "deadline",
+        "deadline_ms",
         "delivered",
         "detached",
         "endpoint_path",
         "enqueued_at",
         "finished_at",
         "first_byte_at",
+        "first_token_by",
         "flavor",
         "headers",
+        "hedge",
         "id",
         "is_streaming",
         "key_id",
@@ -93,7 +99,11 @@ class RelayRequest:
         "paused",
         "pending",
         "phase",
+        "predicted",
         "preemptions",
+        "prefill_end",
+        "prefill_secs",
+        "prompt_bytes",
         "provider",
         "queue_deadline",
         "queue_wait",
@@ -104,6 +114,7 @@ class RelayRequest:
         "resume_key",
         "seq",
         "service_class",
+        "start_by",
         "status",
         "streamed_bytes",
         "ticket",
@@ -214,6 +225,26 @@ class RelayRequest:
         self.resume = ""
         #: Cluster mode: "<gen> <owner> <id>" of its log, for the worker's process.
         self.resume_key = ""
+        #: Speed-aware routing (SPEC §21): the bytes of its prompt's fields (what its
+        #: tokens are estimated from; 0: unknown), and, since it was last sent to a
+        #: worker, what was predicted there: its time to first token and the prefill
+        #: ahead of it there (seconds), the prompt tokens predicted cached there, and
+        #: when and for how long its own prefill (loop time, 0 once it started
+        #: answering or left). See :mod:`relay.core.prediction`.
+        self.prompt_bytes = 0
+        self.predicted = 0.0
+        self.ahead = 0.0
+        self.cached_guess = 0.0
+        self.prefill_end = 0.0
+        self.prefill_secs = 0.0
+        #: Its first-token deadline (SPEC §21, :mod:`relay.core.deadlines`): as stated
+        #: (ms, 0: none), as loop time (0.0: none), and the last moment it may leave the
+        #: queue to meet it (0.0: not bounded by it).
+        self.deadline_ms = 0
+        self.first_token_by = 0.0
+        self.start_by = 0.0
+        #: Its second attempt while it is hedged (:mod:`relay.core.hedging`), else None.
+        self.hedge: Hedge | None = None
         self._events: list[Event] = []
         self._waiter: Future[None] | None = None
 
@@ -277,6 +308,45 @@ class RelayRequest:
 
     def __repr__(self) -> str:
         return f"<RelayRequest {self.id} {self.model} {self.phase.name}>"
+
+
+#: A hedge's life (:mod:`relay.core.hedging`): its timer runs (``ARMED``), the second
+#: attempt is out (``RACING``), it is settled or was never needed (``SETTLED``).
+ARMED: Final = 1
+RACING: Final = 2
+SETTLED: Final = 3
+
+
+class Hedge:
+    """A request's second attempt while it is hedged (SPEC §21, :mod:`relay.core.hedging`):
+    its timer, then its worker, when it was sent and what was predicted there."""
+
+    __slots__ = (
+        "ahead",
+        "cached",
+        "due",
+        "end",
+        "predicted",
+        "secs",
+        "sent_at",
+        "state",
+        "timer",
+        "worker",
+    )
+
+    def __init__(self) -> None:
+        self.state = ARMED
+        self.timer: TimerHandle | None = None
+        #: Seconds after its dispatch the request is due a hedge (its predicted p95).
+        self.due = 0.0
+        #: The second attempt's worker while it races; its dispatch and prediction.
+        self.worker: Worker | None = None
+        self.sent_at = 0.0
+        self.predicted = 0.0
+        self.end = 0.0
+        self.secs = 0.0
+        self.cached = 0.0
+        self.ahead = 0.0
 
 
 @dataclass(slots=True)
@@ -386,6 +456,11 @@ class Worker:
     ops: dict[str, ModelOp] = field(default_factory=dict)
     #: model -> its loads, unloads and load times (shown per worker and model).
     model_counts: dict[str, ModelCounts] = field(default_factory=dict)
+    #: Speed-aware routing (SPEC §21): model -> its learned speed here
+    #: (:mod:`relay.core.rates`), and the loop time its backend is predicted to be
+    #: through the prompts it was sent (:mod:`relay.core.prediction`).
+    speed: dict[str, Speed] = field(default_factory=dict)
+    busy_until: float = 0.0
 
     @property
     def load(self) -> int:

@@ -25,6 +25,12 @@ class RequestTracer(Protocol):
         request's own, plus the trace context the worker continues."""
         ...
 
+    def hedged(self, request: RelayRequest, worker: Worker, now: float) -> dict[str, str]:
+        """``request`` is also being sent to ``worker``, a second attempt (SPEC §21,
+        hedging) beside the one dispatched. Returns the headers for its ``request``
+        frame, as :meth:`dispatched` does."""
+        ...
+
     def finished(self, request: RelayRequest) -> None:
         """``request`` ended (status, outcome, tokens and times are final)."""
         ...
@@ -36,6 +42,9 @@ class NullTracer:
     __slots__ = ()
 
     def dispatched(self, request: RelayRequest, worker: Worker, now: float) -> dict[str, str]:
+        return request.headers
+
+    def hedged(self, request: RelayRequest, worker: Worker, now: float) -> dict[str, str]:
         return request.headers
 
     def finished(self, request: RelayRequest) -> None:

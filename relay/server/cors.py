@@ -11,7 +11,7 @@ _ALLOW_HEADERS = (
     b"openai-organization, openai-project, x-stainless-arch, x-stainless-lang, "
     b"x-stainless-os, x-stainless-package-version, x-stainless-runtime, "
     b"x-stainless-runtime-version, x-stainless-retry-count, x-stainless-timeout, "
-    b"anthropic-dangerous-direct-browser-access"
+    b"anthropic-dangerous-direct-browser-access, x-deadline-ms"
 )
 
 

@@ -20,7 +20,10 @@ from prometheus_client import Counter as CounterMetric
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from relay.core import snapshot
 from relay.core.affinity import BYTES_PER_TOKEN, DECISIONS, Router
+from relay.core.deadlines import RESULTS as DEADLINE_RESULTS
+from relay.core.hedging import RESULTS as HEDGE_RESULTS
 from relay.core.keystats import fold
 from relay.core.relay import Relay
 from relay.core.stats import RequestRecord
@@ -187,6 +190,7 @@ class RelayCollector(Collector):
                 value=1 if state["state"] == "ok" else 0,
             )
         yield from routing_metrics(relay.router)
+        yield from speed_metrics(relay)
         yield from residency_metrics(relay)
         if self.key_rows is not None:
             yield from key_metrics(self.key_rows())
@@ -237,6 +241,72 @@ def routing_metrics(router: Router) -> Iterator[Metric]:
         "Prompt blocks and explicit keys the routing index remembers (bounded).",
         value=router.entries(),
     )
+
+
+def speed_metrics(relay: Relay) -> Iterator[Metric]:
+    """Speed-aware routing (SPEC §21): per worker connected here and model, its learned
+    speeds and its predicted against its measured time to first token; deadlines and
+    hedges by result."""
+    labels = ["provider", "worker", "worker_id", "model"]
+    families = {
+        "prefill_tokens_per_sec": GaugeMetricFamily(
+            "modelrelay_worker_prefill_tokens_per_second",
+            "Prompt tokens a second a worker's backend is learned to process (decaying; the "
+            "fleet's median while it has no history).",
+            labels=labels,
+        ),
+        "decode_tokens_per_sec": GaugeMetricFamily(
+            "modelrelay_worker_decode_tokens_per_second",
+            "Completion tokens a second a worker's backend is learned to generate.",
+            labels=labels,
+        ),
+        "overhead_ms": GaugeMetricFamily(
+            "modelrelay_worker_overhead_seconds",
+            "A worker's learned fixed time before the first byte of a request.",
+            labels=labels,
+        ),
+        "confidence": GaugeMetricFamily(
+            "modelrelay_worker_speed_confidence",
+            "How much a worker's speeds rest on its own recent requests (0: the fleet's).",
+            labels=labels,
+        ),
+    }
+    ttft = GaugeMetricFamily(
+        "modelrelay_worker_ttft_seconds",
+        "A worker's recent time to first byte from dispatch (decaying mean), as predicted "
+        "and as measured.",
+        labels=[*labels, "kind"],
+    )
+    now = relay.loop.time()
+    for worker in sorted(relay.registry.workers.values(), key=lambda w: w.id):
+        for row in snapshot.speeds(relay, worker, now):
+            values = [worker.provider, worker.name, worker.id, row["model"]]
+            for key, family in families.items():
+                value = row[key]
+                family.add_metric(values, value / 1000 if key == "overhead_ms" else value)
+            for kind in ("predicted", "measured"):
+                if row[f"{kind}_ttft_ms"] is not None:
+                    ttft.add_metric([*values, kind], row[f"{kind}_ttft_ms"] / 1000)
+    yield from families.values()
+    yield ttft
+    deadlines = CounterMetricFamily(
+        "modelrelay_deadline_requests",
+        "Requests with a first-token deadline: refused at admission, left the queue when "
+        "it could no longer be met, and of those answered, first byte in time or late.",
+        labels=["result"],
+    )
+    for result in DEADLINE_RESULTS:
+        deadlines.add_metric([result], relay.deadlines[result])
+    yield deadlines
+    hedges = CounterMetricFamily(
+        "modelrelay_hedges",
+        "Hedged priority streams: sent, won by the second attempt, lost to the first, "
+        "settled by a failed attempt; and hedges not sent (over_share, saturated).",
+        labels=["result"],
+    )
+    for result in HEDGE_RESULTS:
+        hedges.add_metric([result], relay.hedges[result])
+    yield hedges
 
 
 def residency_metrics(relay: Relay) -> Iterator[Metric]:

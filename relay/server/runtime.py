@@ -14,13 +14,13 @@ import logging
 import secrets
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 
-from relay.core import classes, providers, snapshot
-from relay.core.affinity import AffinityConfig
-from relay.core.config import RelayConfig
+from relay.core import classes, deadlines, providers, snapshot
+from relay.core.affinity import AffinityConfig, Policy
+from relay.core.config import DeadlineConfig, HedgeConfig, RelayConfig
 from relay.core.keeper import StreamKeeper
 from relay.core.keycache import KeyCache
 from relay.core.keystats import KeyStats, key_name, key_rows
@@ -28,6 +28,7 @@ from relay.core.limits import NO_LIMITS, KeyLimits, Limiter, LimitStore, Ticket
 from relay.core.limitstore import MemoryLimitStore
 from relay.core.ratelimit import AuthThrottle, Network, parse_networks
 from relay.core.relay import Relay
+from relay.core.speed import SpeedConfig
 from relay.core.stats import RequestRecord
 from relay.core.streamlog import Bounds, StreamStore
 from relay.core.streamstore import MemoryStreams
@@ -88,7 +89,7 @@ def relay_config() -> RelayConfig:
         priority_aging=s.PRIORITY_AGING_SECS or None,
         max_preemptions=s.PRIORITY_MAX_PREEMPTIONS,
         affinity=AffinityConfig(
-            policy="least_load" if s.ROUTING_POLICY == "least_load" else "cache_aware",
+            policy=cast(Policy, s.ROUTING_POLICY),  # (checked by the settings)
             block_bytes=s.AFFINITY_BLOCK_BYTES,
             worker_blocks=s.AFFINITY_WORKER_BLOCKS,
             max_keys=s.AFFINITY_MAX_KEYS,
@@ -103,6 +104,19 @@ def relay_config() -> RelayConfig:
         model_load_timeout=s.MODEL_LOAD_TIMEOUT_SECS,
         model_scale_out_wait=s.MODEL_SCALE_OUT_WAIT_SECS,
         model_idle_unload=s.MODEL_IDLE_UNLOAD_SECS,
+        speed=SpeedConfig(half_life=s.RATES_HALF_LIFE_SECS),
+        deadlines=DeadlineConfig(
+            by_class={
+                name: ms
+                for name, ms in (
+                    (classes.PRIORITY, s.DEADLINE_MS_PRIORITY),
+                    (classes.DEFAULT, s.DEADLINE_MS_DEFAULT),
+                    (classes.FLEX, s.DEADLINE_MS_FLEX),
+                )
+                if ms
+            }
+        ),
+        hedging=HedgeConfig(max_share=s.HEDGE_MAX_SHARE, min_delay=s.HEDGE_MIN_DELAY_MS / 1000),
     )
 
 
@@ -238,6 +252,7 @@ class Runtime:
                 self.cluster_token,
                 tick=settings.CLUSTER_TICK_SECS,
                 ttl=settings.CLUSTER_TTL_SECS,
+                share_speeds=settings.RATES_SHARE_SECS,
             )
             self.relay.placement = self.placement
             self.metrics.collector.cluster = self.placement.describe
@@ -280,6 +295,14 @@ class Runtime:
     def key_limits(self, key_id: int) -> KeyLimits:
         known = self.keys.get(key_id)
         return NO_LIMITS if known is None else known.limits
+
+    def deadline(self, key_id: int | None, service_class: str, stated: int | None) -> int | None:
+        """A request's first-token deadline in ms (SPEC §21): what it stated
+        (``X-Deadline-Ms``), else its key's default, else its class's; None: none."""
+        key_default = self.key_limits(key_id).deadline_ms if key_id is not None else None
+        return deadlines.resolve(
+            stated, key_default, self.config.deadlines.by_class.get(service_class)
+        )
 
     def service_class(self, key_id: int | None, wanted: str | None) -> str:
         """The priority class a request gets (SPEC §15): what it asked for, else its key's

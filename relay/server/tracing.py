@@ -199,6 +199,27 @@ class Tracing:
             self._failed()
             return request.headers
 
+    def hedged(self, request: RelayRequest, worker: Worker, now: float) -> dict[str, str]:
+        trace = request.trace
+        if not isinstance(trace, RequestTrace):
+            return request.headers
+        try:
+            headers = dict(request.headers)
+            dispatch = trace.dispatch if trace.recording else None
+            if dispatch is not None:
+                # The second attempt continues the same dispatch: the worker that
+                # answers first is the one the trace goes on with.
+                dispatch.add_event(
+                    "hedged",
+                    {"relay.worker.name": worker.name, "relay.worker.id": worker.id},
+                    timestamp=trace.wall(now),
+                )
+            self.traces.inject(headers, dispatch if dispatch is not None else trace.root)
+            return headers
+        except Exception:
+            self._failed()
+            return request.headers
+
     def finished(self, request: RelayRequest) -> None:
         trace = request.trace
         if isinstance(trace, RequestTrace) and trace.recording:

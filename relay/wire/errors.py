@@ -39,6 +39,7 @@ Hierarchy::
     │   ├── ModelLoadFailed         (no worker could load the model)
     │   ├── StreamsUnavailable      (resumable responses cannot be kept or read now)
     │   ├── StreamLost              (a Redis failover lost a resumable response's last part)
+    │   ├── DeadlineUnmeetable      (no worker is predicted to meet the first-token deadline)
     │   └── ShuttingDown
     ├── GatewayTimeout              (504)
     │   ├── QueueTimeout
@@ -53,6 +54,7 @@ Messages are stable and sanitized: they never echo worker internals to clients.
 
 from __future__ import annotations
 
+import math
 from typing import ClassVar, Literal
 
 import msgspec
@@ -421,6 +423,28 @@ class StreamLost(ServiceUnavailable):
     outcome = "stream_lost"
 
 
+class DeadlineUnmeetable(ServiceUnavailable):
+    """Speed-aware routing (SPEC §21): the request's first-token deadline
+    (``X-Deadline-Ms``, or its key's or class's default) cannot be met: no worker is
+    predicted to send a first token in time, or it waited in the queue until it could
+    no longer be. ``Retry-After`` says when the predicted wait will have passed."""
+
+    code = "deadline_unmeetable"
+    outcome = "deadline_unmeetable"
+
+    def __init__(self, deadline_ms: int, predicted: float | None) -> None:
+        if predicted is None:
+            message = f"No worker can send a first token within the deadline of {deadline_ms} ms"
+        else:
+            message = (
+                f"No worker is predicted to send a first token within the deadline of "
+                f"{deadline_ms} ms: the predicted wait is {_shown_secs(predicted)}"
+            )
+        super().__init__(message)
+        wait = predicted if predicted is not None else deadline_ms / 1000
+        self.retry_after = max(1, min(MAX_RETRY_AFTER, math.ceil(wait)))
+
+
 class ShuttingDown(ServiceUnavailable):
     code = "shutting_down"
     default_message = "Server is shutting down, please retry"
@@ -469,6 +493,17 @@ class ProtocolError(RelayError):
 
 
 _JSON = msgspec.json.Encoder()
+
+
+#: The longest ``Retry-After`` a predicted wait gives (seconds).
+MAX_RETRY_AFTER = 300
+
+
+def _shown_secs(seconds: float) -> str:
+    """A predicted wait as people read it: ``850 ms``, ``2.4 s``."""
+    if seconds < 1.0:
+        return f"{max(0, round(seconds * 1000))} ms"
+    return f"{seconds:.1f} s"
 
 
 def _shown(model: str) -> str:

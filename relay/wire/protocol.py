@@ -109,6 +109,9 @@ U64_MAX = 2**64 - 1
 U32 = Annotated[int, msgspec.Meta(ge=0, le=U32_MAX)]
 #: msgspec bounds only what fits an int64: the upper end is checked in ``__post_init__``.
 U64 = Annotated[int, msgspec.Meta(ge=0)]
+#: Milliseconds a backend says it spent (llama-server's ``timings``): a day at most;
+#: anything else is dropped, not a protocol error (see :class:`TokenCounts`).
+MAX_BACKEND_MS = 86_400_000.0
 Timestamp = Annotated[int, msgspec.Meta(ge=0, le=MAX_TIMESTAMP_MS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 ShortText = Annotated[str, msgspec.Meta(max_length=1024)]
@@ -133,8 +136,20 @@ class TokenCounts(msgspec.Struct, omit_defaults=True):
     #: the worker counted the stream itself, or a count past :data:`MAX_TOKENS` was
     #: dropped (labelled an estimate wherever the figures are shown).
     estimated: bool = False
+    #: What the backend says it spent on the prompt tokens it processed (those it did
+    #: not find cached) and on generating, in milliseconds: llama-server's
+    #: ``timings.prompt_ms`` and ``predicted_ms`` (optional; SPEC §21, learned speeds).
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_ms is not None or self.decode_ms is not None:
+            # Figures to learn speeds from, nothing to charge: one that is no duration
+            # (negative, not finite, past a day) is left out, the frame kept.
+            for name in ("prefill_ms", "decode_ms"):
+                value = getattr(self, name)
+                if value is not None and not 0 <= value <= MAX_BACKEND_MS:
+                    setattr(self, name, None)
         if (  # (the usual case, checked first: one comparison per count)
             (self.prompt_tokens or 0) <= MAX_TOKENS
             and (self.completion_tokens or 0) <= MAX_TOKENS

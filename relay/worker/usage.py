@@ -11,7 +11,8 @@ it would have received without it. A stream that still reports no usage is count
 the worker itself and the figure is marked ``estimated``.
 
 llama-server reports its ``timings`` (prompt tokens processed and reused, tokens
-predicted) on the last chunk of every stream, and on the usage chunk instead once usage
+predicted, and the milliseconds each took, which the relay learns speeds from) on the
+last chunk of every stream, and on the usage chunk instead once usage
 is asked for: the worker then passes that chunk on without its ``usage``, and, having
 seen a backend report timings, stops asking it (:attr:`UsageScanner.timings`), so that
 its later streams reach the client exactly as they left the backend and are charged
@@ -25,7 +26,7 @@ import re
 
 import msgspec
 
-from relay.wire.protocol import MAX_TOKENS, TokenCounts
+from relay.wire.protocol import MAX_BACKEND_MS, MAX_TOKENS, TokenCounts
 
 _USAGE = re.compile(rb'"(?:usage|timings)"\s*:\s*\{')
 _LINES = re.compile(rb"\r\n?|\n")
@@ -41,6 +42,15 @@ _MAX_PARTIAL_LINE = 1024 * 1024
 
 def _count(value: object) -> int | None:
     return value if type(value) is int and value >= 0 else None
+
+
+def _ms(value: object) -> float | None:
+    """A duration in milliseconds as a backend reported it, if it is one the relay takes
+    (a finite number from 0 to a day): anything else is left out, never sent."""
+    if type(value) not in (int, float):
+        return None
+    ms = float(value)  # type: ignore[arg-type]
+    return ms if 0.0 <= ms <= MAX_BACKEND_MS else None  # (NaN fails both)
 
 
 def _cached(doc: dict[str, object]) -> int | None:
@@ -80,8 +90,10 @@ class UsageScanner:
         "_partial",
         "cached",
         "completion",
+        "decode_ms",
         "estimate_prompt",
         "events",
+        "prefill_ms",
         "prompt",
         "timings",
         "total",
@@ -98,8 +110,11 @@ class UsageScanner:
         #: in for usage the backend does not report.
         self.estimate_prompt: int | None = None
         self.events = 0
-        #: The backend reported llama-server's ``timings`` (with its token counts).
+        #: The backend reported llama-server's ``timings`` (with its token counts), and
+        #: the milliseconds they say the prompt and the generation took (SPEC §21).
         self.timings = False
+        self.prefill_ms: float | None = None
+        self.decode_ms: float | None = None
 
     def estimate(self, body_bytes: int) -> None:
         """Count this stream, for an estimate should the backend report no usage."""
@@ -185,6 +200,8 @@ class UsageScanner:
         if processed is None or predicted is None:
             return
         self.timings = True
+        self.prefill_ms = _ms(timings.get("prompt_ms"))
+        self.decode_ms = _ms(timings.get("predicted_ms"))
         if usage_too:
             return  # the usage object is what the backend counts as billed
         prompt = processed + (_count(timings.get("cache_n")) or 0)
@@ -220,6 +237,8 @@ class UsageScanner:
                     total_tokens=prompt + completion,
                     cached_tokens=cached,
                     estimated=True,
+                    prefill_ms=self.prefill_ms,
+                    decode_ms=self.decode_ms,
                 )
             if cached is None and not dropped:
                 return None
@@ -231,6 +250,8 @@ class UsageScanner:
             total_tokens=total,
             cached_tokens=cached,
             estimated=dropped,
+            prefill_ms=self.prefill_ms,
+            decode_ms=self.decode_ms,
         )
 
 

@@ -106,7 +106,7 @@
     const d = r.decisions || {};
     const checked = r.predicted_hits_confirmed + r.predicted_hits_refuted;
     const parts = [r.policy.replace("_", "-")];
-    if (r.policy === "cache_aware") {
+    if (r.policy !== "least_load") {
       parts.push(fmtInt(d.hit || 0) + " hit · " + fmtInt(d.miss || 0) + " new · " + fmtInt(d.guard || 0) + " spilled");
       if (checked) parts.push(Math.round((100 * r.predicted_hits_confirmed) / checked) + "% confirmed");
     }
@@ -114,6 +114,19 @@
   }
 
   // ---------------------------------------------------------------- workers
+
+  // Speed-aware routing (SPEC §21): each model's learned rates, and its recent time to
+  // first byte as predicted and as measured; "fleet's" while it has no history.
+  function speedLines(w) {
+    const rows = (w.speeds || []).filter((s) => s.learned);
+    if (!rows.length) return [el("span", { class: "muted small", title: "No history here yet: the fleet's median", text: "fleet's" })];
+    return rows.slice(0, 3).map((s) => el("div", {
+      title: s.model + " · confidence " + Math.round(100 * s.confidence) + "% · " + fmtInt(s.samples) + " requests",
+    }, [
+      el("div", { class: "small", text: fmtCompact(s.prefill_tokens_per_sec) + " tok/s in · " + fmtCompact(Math.round(s.decode_tokens_per_sec)) + " out" }),
+      el("div", { class: "muted small", text: "TTFT " + fmtMs(s.predicted_ttft_ms) + " predicted · " + fmtMs(s.measured_ttft_ms) + " measured" }),
+    ]));
+  }
 
   function workerCells(w, snapAt) {
     const pct = w.max_concurrent ? Math.min(100, Math.round((100 * w.load) / w.max_concurrent)) : 0;
@@ -146,6 +159,7 @@
         el("div", { class: "load-text", text: w.load + " / " + w.max_concurrent }),
         el("div", { class: "meter", title: pct + "% busy" }, [el("span", { style: "width:" + pct + "%" })]),
       ]),
+      el("td", { class: "speed-cell", "data-label": "Speed" }, speedLines(w)),
       el("td", { "data-label": "State" }, [state]),
       el("td", { class: "connected", "data-label": "Connected", title: new Date(since * 1000).toLocaleString() }, [
         el("div", {}, [
@@ -186,6 +200,8 @@
         row.dataset.signature = signature;
       } else {
         row.querySelector(".connected-ago").textContent = fmtDuration(w.connected_secs) + " ago";
+        // (Speeds move with every request and fade between them: updated in place.)
+        row.querySelector(".speed-cell").replaceChildren(...speedLines(w));
       }
       row.classList.toggle("is-draining", w.draining);
       if (tbody.rows[index] !== row) tbody.insertBefore(row, tbody.rows[index] || null);

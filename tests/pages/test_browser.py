@@ -416,6 +416,9 @@ async def _dashboard_flow(server: LiveServer, browser: Any) -> None:
             async with asyncio.timeout(5):
                 held = await box1.held.get()
             await expect(page.locator("#recent tbody tr")).to_have_count(4)
+            # Speeds learned from the request it answered (SPEC §21), shown live.
+            await expect(row2.locator(".speed-cell")).to_contain_text("tok/s in")
+            await expect(row2.locator(".speed-cell")).to_contain_text("measured")
             await expect(page.locator("#stat-inflight")).to_have_text("1")
             await expect(row1.locator(".load-text")).to_have_text("1 / 4")
             await shoot(page, "dashboard")

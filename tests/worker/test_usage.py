@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from relay.wire import protocol
 from relay.wire.protocol import TokenCounts
 from relay.worker.usage import UsageScanner, format_counts
 
@@ -119,3 +120,31 @@ def test_a_count_past_any_real_figure_is_dropped_and_the_rest_marked_an_estimate
     streamed.finish()
     # Nothing usable reported: the stream is counted instead.
     assert streamed.counts() == TokenCounts(10, 0, 10, estimated=True)
+
+
+def test_llama_timings_carry_the_prompt_and_generation_times() -> None:
+    scanner = UsageScanner()
+    scanner.feed_document(
+        b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"timings":{"cache_n":64,'
+        b'"prompt_n":26,"prompt_ms":13.5,"predicted_n":8,"predicted_ms":160}}\n\n'
+        b"data: [DONE]\n\n",
+        "text/event-stream",
+    )
+    counts = scanner.counts()
+    assert counts is not None
+    assert (counts.prompt_tokens, counts.cached_tokens) == (90, 64)
+    assert (counts.prefill_ms, counts.decode_ms) == (13.5, 160.0)
+
+
+@pytest.mark.parametrize("value", [b"-1", b'"13"', b"true", b"1e300", b"86400001", b"null"])
+def test_a_timing_the_relay_would_refuse_is_left_out(value: bytes) -> None:
+    scanner = UsageScanner()
+    scanner.feed_document(
+        b'{"timings":{"prompt_n":26,"predicted_n":8,"prompt_ms":%s,"predicted_ms":5}}' % value,
+        "application/json",
+    )
+    counts = scanner.counts()
+    assert counts is not None and counts.prefill_ms is None and counts.decode_ms == 5.0
+    # What is sent decodes at the relay (a refused number would close the connection).
+    frame = protocol.ResponseComplete(request_id="r", status_code=200, token_counts=counts)
+    assert protocol.decode_worker_message(protocol.encode(frame)) == frame

@@ -23,6 +23,7 @@ from pydantic import Field
 from keys.models import ApiKey
 from keys.services import create_key, revoke_key, update_key
 from relay.core import snapshot
+from relay.core.deadlines import MAX_DEADLINE_MS
 from relay.core.limits import MAX_WEIGHT
 from relay.server import runtime
 from relay.server.cluster.control import ClusterUnreachable
@@ -113,6 +114,8 @@ class KeyLimitsIn(Schema):
     #: Priority classes (SPEC §15); null: ``default``.
     default_class: ServiceClass | None = None
     max_class: ServiceClass | None = None
+    #: The first-token deadline of a request that states none (SPEC §21); null: none.
+    deadline_ms: int | None = Field(default=None, ge=1, le=MAX_DEADLINE_MS, strict=True)
 
 
 class KeyIn(KeyLimitsIn):
@@ -145,6 +148,7 @@ class KeyOut(Schema):
     weight: int
     default_class: str
     max_class: str
+    deadline_ms: int | None = None
 
     @staticmethod
     def resolve_allowed_models(obj: ApiKey) -> list[str] | None:
@@ -186,6 +190,8 @@ async def stats(request: HttpRequest) -> dict[str, Any]:
     if rt.placement is not None:
         # Counters above are this process's; the cluster's shared queue is one for all.
         document["cluster"] = rt.placement.describe()
+        # The speeds every process predicts from (SPEC §21), as last shared.
+        document["cluster"]["speeds"] = rt.placement.shared_view()
     # Who is using the pool (SPEC §13): running and queued here, tokens from the
     # limit store (every process's with Redis), refusals here by outcome.
     document["keys"] = await rt.key_usage()

@@ -108,6 +108,8 @@ class Convergence:
 
         async def _loads_tick(self) -> None: ...
 
+        async def _speeds_tick(self, force: bool = False) -> None: ...
+
     # -- registering a worker ------------------------------------------------------
 
     async def join(self, worker: Worker) -> None:
@@ -285,6 +287,7 @@ class Convergence:
             await self._feed(worker_id)
         await self._learn_models()
         await self._loads_tick()
+        await self._speeds_tick()
         self.queue_depth = await self.state.queue_depth(list(self.relay.providers))
         self.proxies.prune()
         if self._leaving:

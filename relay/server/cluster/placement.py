@@ -39,6 +39,7 @@ from relay.server.cluster.loads import ClusterLoads
 from relay.server.cluster.preempt import ClusterPreemption
 from relay.server.cluster.proxy import ProxyPool
 from relay.server.cluster.redissource import RedisSource, source_of
+from relay.server.cluster.speeds import ClusterSpeeds
 from relay.server.cluster.state import (
     ClusterState,
     Placed,
@@ -48,12 +49,14 @@ from relay.wire.errors import QueueFull
 
 logger = logging.getLogger("relay.cluster")
 
-#: How often this process re-asserts its keys, and how long they outlive it.
+#: How often this process re-asserts its keys, and how long they outlive it; how often
+#: it shares its workers' speeds.
 TICK_SECS = 1.0
 TTL_SECS = 5.0
+SHARE_SECS = 5.0
 
 
-class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
+class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads, ClusterSpeeds):
     def __init__(
         self,
         relay: Relay,
@@ -63,10 +66,12 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
         *,
         tick: float = TICK_SECS,
         ttl: float = TTL_SECS,
+        share_speeds: float = SHARE_SECS,
     ) -> None:
         """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
         ``tick``: how often the control loop runs; ``ttl``: how long this process's
-        keys outlive its last tick (CLUSTER_TICK_SECS, CLUSTER_TTL_SECS)."""
+        keys outlive its last tick (CLUSTER_TICK_SECS, CLUSTER_TTL_SECS);
+        ``share_speeds``: how often it shares the speeds it learned (RATES_SHARE_SECS)."""
         self.relay = relay
         self.instance = relay.instance
         self.tick = tick
@@ -116,6 +121,7 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
         #: Set when Redis answers again: asks for a preemption may have been lost meanwhile.
         self._reask = False
         self._init_loads()
+        self._init_speeds(share_speeds)
 
     # -- the Placement protocol ------------------------------------------------------
 
@@ -167,6 +173,9 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
         self._placing.add(entry)
         try:
             affinity = request.affinity
+            costs, default_cost = "", (0.0, 0.0)
+            if self.relay.router.predicts or request.first_token_by:
+                costs, default_cost = self.costs(request)  # (SPEC §21)
             kind, placed, order, spilled = await self.state.place(
                 provider=request.provider,
                 model=request.model,
@@ -185,6 +194,8 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads):
                 load_factor=self.relay.config.affinity.load_factor,
                 load_slack=self.relay.config.affinity.load_slack,
                 anchor_ttl_ms=int(self.relay.config.affinity.cluster_ttl * 1000),
+                costs=costs,
+                default_cost=default_cost,
             )
         except TROUBLE as exc:
             self._trouble(exc)  # it waits here; this process's workers take it

@@ -57,6 +57,10 @@ Keys (``P`` is REDIS_PREFIX):
 - ``P:seq`` (arrival order), ``P:rr:<provider>`` (round-robin among equals);
 - ``P:aff:<provider>:<anchor>``: the worker that took a conversation's last turn
   (cache-aware routing, SPEC §14), expiring AFFINITY_TTL_SECS after it;
+- ``P:sp:<instance>``: the speeds that process learned of its workers, and their loads,
+  as it last shared them (speed-aware routing, SPEC §21; every RATES_SHARE_SECS,
+  expiring three periods later): what every process predicts from
+  (:mod:`relay.server.cluster.speeds`);
 - ``P:credentials``: a fingerprint of the cluster token (derived from the pepper) of the
   live processes: set by the first process to announce itself when none are held,
   renewed by each announce of a process that has them and expiring CLUSTER_TTL_SECS
@@ -190,6 +194,8 @@ class ClusterState:
         load_factor: float = 1.25,
         anchor_ttl_ms: int = 3_600_000,
         load_slack: int = 0,
+        costs: str = "",
+        default_cost: tuple[float, float] = (0.0, 0.0),
     ) -> tuple[str, Placed | None, int, bool]:
         """Reserve the least-loaded slot for ``model`` or queue ``entry`` at the back of
         ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
@@ -207,6 +213,11 @@ class ClusterState:
         above the least loaded worker); otherwise least-load decides,
         and the worker chosen becomes the conversation's. The last value returned is
         True when the conversation's worker was passed over for the guard.
+
+        ``costs`` (speed-aware routing, SPEC §21; see ``lua/place.lua``): the placing
+        process's predicted cost of each worker, from the speeds the processes share;
+        then the worker with the lowest cost within the guard is chosen, a worker
+        without an entry costing ``default_cost`` (base, per request in flight).
         """
         reply = await self._place(
             args=[
@@ -229,6 +240,9 @@ class ClusterState:
                 load_factor,
                 anchor_ttl_ms,
                 load_slack,
+                costs,
+                default_cost[0],
+                default_cost[1],
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])
@@ -279,6 +293,24 @@ class ClusterState:
         for provider, entry in entries:
             args += [provider, entry]
         return [self.decode(item) for item in await self._where(args=args)]
+
+    # -- speeds (SPEC §21) -------------------------------------------------------------
+
+    async def share_speeds(self, instance: str, document: bytes, ttl_ms: int) -> None:
+        """Publish what ``instance`` learned of its workers' speeds (``P:sp:<instance>``)."""
+        await self.redis.set(self._key("sp", instance), document, px=ttl_ms)
+
+    async def shared_speeds(self) -> list[tuple[str, bytes]]:
+        """Every process's speeds document still in Redis: ``(instance, document)``."""
+        instances = sorted(self.decode(i) for i in await self.redis.smembers(self._key("procs")))
+        if not instances:
+            return []
+        values = await self.redis.mget([self._key("sp", i) for i in instances])
+        return [
+            (i, v if isinstance(v, bytes) else str(v).encode())
+            for i, v in zip(instances, values, strict=True)
+            if v is not None
+        ]
 
     # -- membership ----------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from relay.core import classes
+from relay.core import classes, deadlines
 from relay.core.background import backend_body
 from relay.server import runtime
 from relay.server.cluster.proxy import (
@@ -20,7 +20,6 @@ from relay.server.http.request import (
     ClientGone,
     before_body,
     header,
-    parse_head,
     read_body,
     read_head,
 )
@@ -51,6 +50,8 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
     await rt.ready()  # providers and keys loaded (instant after the first request)
     try:
         key_id, relay_auth_headers = before_body(rt, method, path, flavor, scope["headers"])
+        # Bounded and checked before the body is read (SPEC §21).
+        stated_deadline = deadlines.parse(header(scope, deadlines.HEADER))
         raw = await read_body(receive, rt.config.max_request_bytes)
         try:
             body = raw.decode()
@@ -95,6 +96,7 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             tracing.rejected(trace, err.status, err.outcome, model)
             await send_error(send, err, flavor, cors)
             return
+    service_class = rt.service_class(key_id, wanted)
     try:
         request = relay.submit(
             model=model,
@@ -105,10 +107,11 @@ async def inference(scope: Scope, receive: Receive, send: Send, flavor: Flavor) 
             headers=forwarded_request_headers(scope["headers"], exclude=relay_auth_headers),
             key_id=key_id,
             ticket=ticket,
-            service_class=rt.service_class(key_id, wanted),
+            service_class=service_class,
             trace=trace,
             prompt=head.prompt,
             session=_session(scope, rt.config.affinity.session_header),
+            deadline_ms=rt.deadline(key_id, service_class, stated_deadline),
         )
     except BaseException as exc:
         # Until submit returns the ticket is ours: free the key's slot on every way
@@ -158,7 +161,8 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
         key_id = int(key) if key is not None and key.isdigit() else None
         service_class, _, preempted = (header(scope, CLASS_HEADER_B) or b"").decode().partition(" ")
         raw = await read_body(receive, rt.config.max_request_bytes)
-        model, stream = parse_head(raw)
+        head = read_head(raw)
+        model, stream = head.model, head.stream
         resumable = header(scope, RESUME_HEADER_B)
         kept = None if resumable is None else await resume.placed_entry(rt, resumable)
         request = relay.submit_pinned(
@@ -178,6 +182,7 @@ async def placed_here(scope: Scope, receive: Receive, send: Send, flavor: Flavor
             service_class=service_class if service_class in classes.RANK else classes.DEFAULT,
             preemptions=int(preempted) if preempted.isdigit() and len(preempted) < 6 else 0,
             trace=trace,
+            prompt=head.prompt,
         )
     except ClientGone:
         placement.release(worker_id, lease)

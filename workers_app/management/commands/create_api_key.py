@@ -53,6 +53,12 @@ class Command(BaseCommand):
             choices=CLASSES,
             help="highest priority class its requests may ask for (default: default)",
         )
+        parser.add_argument(
+            "--deadline-ms",
+            type=int,
+            help="time to first token its requests accept when they state none "
+            "(X-Deadline-Ms); refused at once with 503 when no worker is predicted to meet it",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         limits: dict[str, Any] = {
@@ -65,6 +71,7 @@ class Command(BaseCommand):
             "weight": options["weight"],
             "default_class": options["default_class"],
             "max_class": options["max_class"],
+            "deadline_ms": options["deadline_ms"],
         }
         try:
             made = create_key(options["name"], **limits)

@@ -1,6 +1,7 @@
 -- Place one request: reserve a slot on the best live worker for its model (cache-aware
--- within the bounded-load guard, else least load, this process's workers first on a tie),
--- or put it in the shared queue. Needs live.lua and lanes.lua.
+-- within the bounded-load guard, else least load, this process's workers first on a tie;
+-- or, under speed-aware routing, the lowest predicted time to first token within the
+-- guard), or put it in the shared queue. Needs live.lua and lanes.lua.
 local P, provider, model = ARGV[1], ARGV[2], ARGV[3]
 local now, lease, lease_ms = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local origin, deadline = ARGV[7], tonumber(ARGV[8])
@@ -14,6 +15,14 @@ local own_lease_ms, class = tonumber(ARGV[14]), ARGV[15]
 local anchor, factor = ARGV[16] or '', tonumber(ARGV[17] or '1.25')
 local anchor_ttl = tonumber(ARGV[18] or '3600000')
 local slack = tonumber(ARGV[19] or '0')
+-- Speed-aware routing (SPEC §21): the placing process's predicted costs, in ms, from the
+-- speeds every process shares ('' for none: least load decides). Each entry is
+-- ``<worker> <base> <per request in flight> <saved when it holds the conversation>``,
+-- entries separated by ';'; a worker without one costs the defaults (ARGV[21], [22]).
+-- A worker's cost is its base plus its load (read here, atomically) times its per-request
+-- cost, less its saving when it is the conversation's worker.
+local costs_arg = ARGV[20] or ''
+local default_base, default_per = tonumber(ARGV[21] or '0'), tonumber(ARGV[22] or '0')
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties, near = nil, {}, {}
 local open, total = {}, 0
@@ -61,6 +70,49 @@ if anchor ~= '' and #open > 0 then
         end
       end
     end
+  end
+end
+if costs_arg ~= '' and #open > 0 then
+  -- The lowest predicted cost within the guard (it supersedes the anchor's own rule:
+  -- the cache is one input of the prediction, the home's saving).
+  local costs = {}
+  for entry in string.gmatch(costs_arg, '[^;]+') do
+    local wid, base, per, hit = string.match(entry, '^(%S+) (%S+) (%S+) (%S+)$')
+    if wid then
+      costs[wid] = {tonumber(base), tonumber(per), tonumber(hit)}
+    end
+  end
+  local home = nil
+  if anchor ~= '' then
+    home = redis.call('GET', anchor_key)
+  end
+  local bound = math.max(math.ceil(factor * (total + 1) / #open), best + 1 + slack)
+  local low, cheapest, near_cheap = nil, {}, {}
+  for _, c in ipairs(open) do
+    if c[2] + 1 <= bound then
+      local known = costs[c[1]]
+      local cost
+      if known then
+        cost = known[1] + c[2] * known[2]
+        if c[1] == home then
+          cost = cost - known[3]
+        end
+      else
+        cost = default_base + c[2] * default_per
+      end
+      if low == nil or cost < low - 1e-9 then
+        low, cheapest, near_cheap = cost, {}, {}
+      end
+      if cost <= low + 1e-9 then
+        table.insert(cheapest, c[1])
+        if redis.call('HGET', P .. ':w:' .. c[1], 'proc') == origin then
+          table.insert(near_cheap, c[1])
+        end
+      end
+    end
+  end
+  if #cheapest > 0 then
+    ties, near, chosen = cheapest, near_cheap, nil
   end
 end
 if #ties > 0 then
