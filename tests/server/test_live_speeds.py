@@ -288,6 +288,13 @@ def test_a_box_that_slows_down_loses_its_traffic(rig: Rig):
             if recent == [0] * 6:
                 break
         assert recent == [0] * 6, recent
-        assert rig.speed_of(1)["prefill_tokens_per_sec"] < 1.5 * RATE
+
+        def predicted(box: int, tokens: int = 400) -> float:
+            # What the relay now expects of each box for a prompt of this size (its
+            # learned overhead and rate together: a busy machine may move either).
+            speed = rig.speed_of(box)
+            return speed["overhead_ms"] / 1000 + tokens / speed["prefill_tokens_per_sec"]
+
+        assert predicted(1) > predicted(0)
     finally:
         rig.pool.set(1, cost_per_token=1 / (3 * RATE))
