@@ -37,6 +37,13 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.0f} %" if x < 0 else f"{100 * x:.0f} %"
 
 
+def _lower(x: float | None) -> str:
+    """A cut as words: "12 % lower", or "12 % higher" when it went up."""
+    if x is None:
+        return "-"
+    return f"{100 * x:.0f} % lower" if x >= 0 else f"{-100 * x:.0f} % higher"
+
+
 def speeds(res: dict[str, Any]) -> list[str]:
     n = res.get("speeds")
     if not n:
@@ -79,7 +86,7 @@ def speeds(res: dict[str, Any]) -> list[str]:
         if name.endswith("_heavy"):
             verdicts.append(
                 f"- {name} ({100 * row['load']:.0f} % busy, not judged): mean TTFT "
-                f"{_pct(mean_cut)} lower, p95 {_pct(p95_cut)} lower than least-load"
+                f"{_lower(mean_cut)}, p95 {_lower(p95_cut)} than least-load"
             )
         elif name.startswith("mixed"):
             verdicts += [
@@ -100,7 +107,7 @@ def speeds(res: dict[str, Any]) -> list[str]:
             )
             verdicts.append(
                 f"- {name}: mean TTFT {_pct(mean_cut)} lower than least-load (within ±"
-                f"{100 * SAME_BAND:.0f} %): {_met(within)}{faster}; p95 {_pct(p95_cut)} lower"
+                f"{100 * SAME_BAND:.0f} %): {_met(within)}{faster}; p95 {_lower(p95_cut)}"
             )
         learned = ", ".join(
             f"{k} {v:,.0f}" for k, v in sorted(row["learned_prefill_tokens_per_sec"].items())
@@ -215,7 +222,7 @@ def speeds(res: dict[str, Any]) -> list[str]:
         p95_cut = _cut(least["p95_ttft_ms"], predicted["p95_ttft_ms"])
         lines += [
             "",
-            f"- mean TTFT {_pct(mean_cut)} lower, p95 {_pct(p95_cut)} lower than least-load",
+            f"- mean TTFT {_lower(mean_cut)}, p95 {_lower(p95_cut)} than least-load",
             "",
         ]
     elif llama:
@@ -255,19 +262,31 @@ def _default_verdict(n: dict[str, Any]) -> str:
             predicted["recomputed_per_turn"] <= 1.1 * aware["recomputed_per_turn"]
             and predicted["ttft_ms"] <= (1 + SAME_BAND) * aware["ttft_ms"]
         )
-    if better and no_worse and cheap and keeps_cache:
+    llama = n.get("llama_server") or {}
+    real_ok = True
+    if "least_load" in llama:
+        least, pred = llama["least_load"], llama["predicted"]
+        real_ok = all(
+            (_cut(least[k], pred[k]) or 0) >= -SAME_BAND for k in ("mean_ttft_ms", "p95_ttft_ms")
+        )
+    shipped = (
+        " The shipped default stays `cache_aware` so that an upgrade does not change how a "
+        "running fleet is routed; docs/OPERATIONS.md tells operators of mixed boxes to set "
+        "`ROUTING_POLICY=predicted`."
+    )
+    if better and no_worse and cheap and keeps_cache and real_ok:
         return (
-            "**Default:** on these measurements `predicted` should become the default "
+            "**Default:** on these measurements `predicted` could be the default "
             "ROUTING_POLICY: it is faster on every mixed pool, no slower on identical "
-            "boxes, keeps what the prompt cache gives conversations (a worker's cached "
-            "prefix is prompt it need not process, within the same bounded-load guard), "
-            "and costs a few µs per request. It starts from the fleet's speeds and learns "
-            "within seconds."
+            "boxes or on the real llama-server pair, keeps what the prompt cache gives "
+            "conversations (a worker's cached prefix is prompt it need not process, within "
+            "the same bounded-load guard), and costs a few µs per request. It starts from "
+            "the fleet's speeds and learns within seconds." + shipped
         )
     return (
         "**Default:** `cache_aware` stays the default on these measurements (`predicted` "
         f"faster on every mixed pool: {better}; no slower on identical boxes: {no_worse}; "
-        f"keeps what the cache gives conversations: {keeps_cache}; within the cost "
-        f"budget: {cheap}); `predicted` is the choice for a pool of boxes of different "
-        "speeds."
+        f"no slower, mean and p95, on the real llama-server pair: {real_ok}; keeps what "
+        f"the cache gives conversations: {keeps_cache}; within the cost budget: {cheap}); "
+        "`predicted` is the choice for a pool of boxes of different speeds."
     )
