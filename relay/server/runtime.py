@@ -60,6 +60,8 @@ SECRET_ROTATED = providers.SECRET_ROTATED
 STOP_TASKS_SECS = 5.0
 #: Retained streams that expired are forgotten at least this often.
 SWEEP_SECS = 10.0
+#: The longest an admin key change waits for this process to take it (:meth:`Runtime.synced`).
+SYNCED_WAIT_SECS = 5.0
 
 
 def relay_config() -> RelayConfig:
@@ -220,6 +222,10 @@ class Runtime:
         self._http_idle = asyncio.Event()
         self._poke = asyncio.Event()
         self._loaded = asyncio.Event()
+        #: Sync rounds begun and ended, for :meth:`synced`; a round ending wakes it.
+        self._rounds_begun = 0
+        self._rounds_ended = 0
+        self._round_ended = asyncio.Event()
         self._keys_version: tuple[object, int] | None = None
         self._batch_task = loop.create_task(self.batches.run())
         self._tasks: list[asyncio.Task[None]] = [
@@ -422,10 +428,14 @@ class Runtime:
 
     async def _sync_loop(self) -> None:
         while True:
+            self._rounds_begun += 1
             try:
                 await self.sync()
             except Exception:
                 logger.exception("sync failed; keeping the last known providers and keys")
+            self._rounds_ended += 1
+            self._round_ended.set()
+            self._round_ended = asyncio.Event()
             try:
                 async with asyncio.timeout(settings.SYNC_SECS):
                     await self._poke.wait()
@@ -435,6 +445,20 @@ class Runtime:
 
     def poke(self) -> None:
         self._poke.set()
+
+    async def synced(self) -> bool:
+        """Wait for a sync round begun after this call to end (bounded): what was
+        committed before it, a new or changed API key, is in force here when it returns
+        True. (Other processes take it within SYNC_SECS, or at once through Redis.)"""
+        wanted = self._rounds_begun + 1
+        self.poke()
+        try:
+            async with asyncio.timeout(SYNCED_WAIT_SECS):
+                while self._rounds_ended < wanted:
+                    await self._round_ended.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def socket_opened(self) -> None:
         self.sockets += 1

@@ -7,6 +7,7 @@ constant time); without a configured token every route answers 403. Errors are
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import math
 from datetime import datetime
@@ -244,6 +245,7 @@ async def new_key(request: HttpRequest, payload: KeyIn) -> Any:
         made = await sync_to_async(create_key)(payload.name, **limits)
     except ValueError as exc:
         raise HttpError(400, str(exc)) from None
+    await _in_force()
     made.key.secret = made.secret  # type: ignore[attr-defined]  # shown this once
     return Status(201, made.key)
 
@@ -257,9 +259,11 @@ async def change_key(request: HttpRequest, key_id: int, payload: KeyPatch) -> An
     if "name" in changes and changes["name"] is None:
         raise HttpError(400, "name: a key needs a name")
     try:
-        return await sync_to_async(update_key)(key, **changes)
+        changed = await sync_to_async(update_key)(key, **changes)
     except ValueError as exc:
         raise HttpError(400, str(exc)) from None
+    await _in_force()
+    return changed
 
 
 @api.delete("/keys/{key_id}", response={204: None})
@@ -269,7 +273,16 @@ async def delete_key(request: HttpRequest, key_id: int) -> Any:
         raise HttpError(404, f"no API key with id {key_id}")
     if not await sync_to_async(revoke_key)(key):
         raise HttpError(404, f"API key {key_id} is already revoked")
+    await _in_force()
     return Status(204, None)
+
+
+async def _in_force() -> None:
+    """A key change answers once this process's key table holds it: a client may use a
+    new key, or finds a revoked one refused, the moment the call returns."""
+    rt = runtime.peek()
+    if rt is not None and rt.loop is asyncio.get_running_loop():
+        await rt.synced()
 
 
 # -- joining (SPEC §22) ---------------------------------------------------------------------
