@@ -130,13 +130,16 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str) -> dict[str, 
 
 
 async def _drive(
-    order: list[str], clients: int, url_of: Callable[[str], str]
+    order: list[str], clients: int, url_of: Callable[[str], str], *, keepalive: bool = True
 ) -> list[dict[str, Any]]:
     """``order`` sent by ``clients`` clients, each taking the next request when its last
-    one ended (so ``clients`` are in flight at a time)."""
+    one ended (so ``clients`` are in flight at a time). Without ``keepalive`` each request
+    has a connection of its own: llama-server's router may close an idle one just as a
+    client reuses it, a race that is the client's to avoid, not a failed load."""
     results: list[dict[str, Any]] = []
     queue = list(enumerate(order))
-    async with httpx.AsyncClient(timeout=300) as client:
+    limits = httpx.Limits() if keepalive else httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
 
         async def loop() -> None:
             while queue:
@@ -189,7 +192,7 @@ def _ideal(
         urls = holders[model]
         return urls[turn[model] % len(urls)]
 
-    results = asyncio.run(_drive(order, clients, url_of))
+    results = asyncio.run(_drive(order, clients, url_of, keepalive=False))
     summary = _summary(results, _loads(boxes))
     procs.stop_all()
     return summary
