@@ -8,7 +8,9 @@ master through them:
 - *one process*: A alone with two ``worker.py``, wrk with 32 connections as in (a);
 - *two processes placing across each other*: B joins, and each process has one worker;
   wrk with 16 connections against each at once. Server CPU per request, both processes
-  summed, against one process's (the target: ≤ :data:`SPREAD_CPU_RATIO`);
+  summed, against one process's (the target: ≤ :data:`SPREAD_CPU_RATIO`); then the same
+  with two more processes started with ``CLUSTER_LOCAL_SLACK`` (:data:`LOCAL_SLACK`), which
+  keeps a request on its own process's worker within that many requests of the least;
 - *a failover under load*: the same split load for :data:`FAILOVER_LOAD_SECS`, with
   ``SENTINEL FAILOVER`` after two seconds (the sentinels make the old master a replica
   at their next look at it, up to 10 s later; until then the new master refuses writes,
@@ -34,6 +36,8 @@ from tests.sentinelkit import SentinelSet, free_ports, server_binary
 
 #: Two processes placing across each other: summed server CPU per request, against one.
 SPREAD_CPU_RATIO = 1.3
+#: The same measured again with CLUSTER_LOCAL_SLACK at this (the default is 0).
+LOCAL_SLACK = 1
 FAILOVER_LOAD_SECS = 20
 
 
@@ -92,6 +96,12 @@ def run(
             f"{res['spread']['us_per_request']:.0f} µs server CPU per request (one process: "
             f"{res['spread']['one_us_per_request']:.0f} µs)"
         )
+        res["local"] = _local_spread(procs, workdir, upstream_url, upstream_pid, env, s)
+        res["local"]["one_us_per_request"] = _us(res["one"])
+        log(
+            f"  (p) the same with CLUSTER_LOCAL_SLACK={LOCAL_SLACK}: {res['local']['rps']:,.0f} "
+            f"req/s, {res['local']['us_per_request']:.0f} µs server CPU per request"
+        )
         res["failover"] = _failover_under_load(sentinels, [a_url, b_url], workdir)
         res["load_average"] = round(os.getloadavg()[0], 2)
         f = res["failover"]
@@ -104,6 +114,42 @@ def run(
         for proc in reversed(started):
             procs.stop(proc)
         sentinels.stop()
+
+
+def _local_spread(
+    procs: Processes, workdir: Path, upstream_url: str, upstream_pid: int,
+    env: dict[str, str], s: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """Two more processes, a cluster of their own on the same Redis (another prefix),
+    with CLUSTER_LOCAL_SLACK set, one worker each, the same split load."""
+    local = {
+        **env,
+        "REDIS_PREFIX": f"bench-{secrets.token_hex(4)}",
+        "CLUSTER_LOCAL_SLACK": str(LOCAL_SLACK),
+    }
+    started = []
+    try:
+        c, c_url = start_server(procs, workdir, "sentinel-c", None, "daphne", **local)
+        started.append(c)
+        database = workdir / "data-sentinel-c" / "db.sqlite3"
+        shared = {**local, "DATABASE_URL": f"sqlite:///{database}"}
+        d, d_url = start_server(procs, workdir, "sentinel-d", None, "daphne", **shared)
+        started.append(d)
+        on_c = start_workers(procs, c_url, upstream_url, 1, "sentinel-c")
+        on_d = start_workers(procs, d_url, upstream_url, 1, "sentinel-d")
+        started += on_c + on_d
+        wait_workers(c_url, 1, c, timeout=60)
+        wait_workers(d_url, 1, d, timeout=60)
+        _wait(lambda: _serves_model(c_url) and _serves_model(d_url), "both processes serving")
+        spread = Target("two processes, local slack", 0)
+        spread.cpu_pids = {"server": [c.pid, d.pid], "workers": [on_c[0].pid, on_d[0].pid]}
+        res = _split_throughput(spread, [c_url, d_url], upstream_pid, workdir, s)
+        res["us_per_request"] = _us(res)
+        res["slack"] = LOCAL_SLACK
+        return res
+    finally:
+        for proc in reversed(started):
+            procs.stop(proc)
 
 
 def _us(run: dict[str, Any]) -> float:

@@ -246,6 +246,12 @@ HEDGE_MIN_DELAY_MS = env_int("HEDGE_MIN_DELAY_MS", 50, minimum=1)
 # never in its generation slots.
 NON_GENERATING_PER_WORKER = env_int("NON_GENERATING_PER_WORKER", 4, minimum=1)
 CLUSTER_TICK_SECS = env_float("CLUSTER_TICK_SECS", 1.0)
+#: Cluster mode: a request stays on a worker of the process that received it while that
+#: worker has a free slot and at most this many requests in flight more than the least
+#: loaded worker anywhere (0, the default: least load exactly, SPEC §6, this process first
+#: on a tie only). A request placed on another process's worker passes through both
+#: processes, every chunk of it.
+CLUSTER_LOCAL_SLACK = env_int("CLUSTER_LOCAL_SLACK", 0, minimum=0)
 CLUSTER_TTL_SECS = env_float("CLUSTER_TTL_SECS", 5.0)
 if not 0 < CLUSTER_TICK_SECS < CLUSTER_TTL_SECS:
     raise ImproperlyConfigured("CLUSTER_TICK_SECS must be positive and below CLUSTER_TTL_SECS")

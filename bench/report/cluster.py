@@ -256,6 +256,7 @@ def failover(res: dict[str, Any]) -> list[str]:
                     f"{mine:,.0f} µs vs {alone:,.0f} µs ({ratio:.2f}x)",
                     _met(ratio <= SPREAD_CPU_RATIO),
                 ],
+                *_local_rows(m.get("local"), alone, SPREAD_CPU_RATIO),
             ],
         ),
         "",
@@ -273,4 +274,25 @@ def failover(res: dict[str, Any]) -> list[str]:
         "writes (`min-replicas-to-write 1`) until the sentinels make the old one its "
         "replica, at their next look at it (every 10 s).",
         "",
+    ]
+
+
+def _local_rows(local: dict[str, Any] | None, alone: float, bound: float) -> list[list[str]]:
+    """(p)'s split load again on two processes started with CLUSTER_LOCAL_SLACK."""
+    if not local:
+        return []
+    mine = local["us_per_request"]
+    ratio = mine / alone if alone else float("nan")
+    slack = local["slack"]
+    return [
+        [
+            f"two processes with `CLUSTER_LOCAL_SLACK={slack}`: req/s",
+            f"{local['rps']:,.0f} ({local['errors']} errors)",
+            "-",
+        ],
+        [
+            f"… server CPU per request, both processes, ≤ {bound:g}x one process's",
+            f"{mine:,.0f} µs vs {alone:,.0f} µs ({ratio:.2f}x)",
+            _met(ratio <= bound),
+        ],
     ]

@@ -259,6 +259,7 @@ class Runtime:
                 tick=settings.CLUSTER_TICK_SECS,
                 ttl=settings.CLUSTER_TTL_SECS,
                 share_speeds=settings.RATES_SHARE_SECS,
+                local_slack=settings.CLUSTER_LOCAL_SLACK,
             )
             self.relay.placement = self.placement
             self.metrics.collector.cluster = self.placement.describe

@@ -129,6 +129,32 @@ async def test_among_equals_the_receiving_processs_own_workers_are_preferred(
             assert at_a.requests.empty() and at_b.requests.empty()
 
 
+@pytest.mark.parametrize(("slack", "second_at"), [("0", "b"), ("1", "a")])
+async def test_a_process_keeps_its_clients_within_its_local_slack(
+    relay_server_factory, slack: str, second_at: str
+):
+    """Live processes, one worker each: with A's worker busy with one request and B's
+    idle, a second request to A crosses to B's worker under least load exactly
+    (CLUSTER_LOCAL_SLACK=0) and stays on A's under CLUSTER_LOCAL_SLACK=1."""
+    with cluster(relay_server_factory, 2, CLUSTER_LOCAL_SLACK=slack) as (a, b):
+        async with (
+            ScriptedWorker(a, ["m"], max_concurrent=4) as at_a,
+            ScriptedWorker(b, ["m"], max_concurrent=4) as at_b,
+            httpx.AsyncClient(timeout=15) as client,
+        ):
+            await knows(a, "m")
+            await knows(b, "m")
+            first = asyncio.ensure_future(client.post(a.url + CHAT, json={"model": "m"}))
+            held = await at_a.next()  # A's worker is busy with it
+            second = asyncio.ensure_future(client.post(a.url + CHAT, json={"model": "m"}))
+            worker = at_a if second_at == "a" else at_b
+            await worker.answer(await worker.next())
+            assert (await second).status_code == 200
+            await at_a.answer(held)
+            assert (await first).status_code == 200
+            assert at_a.requests.empty() and at_b.requests.empty()
+
+
 async def test_capacity_is_never_exceeded_across_processes(relay_server_factory):
     with (
         upstream_in_thread(token_delay=0.01, tokens=5) as one,
@@ -237,6 +263,49 @@ async def test_nothing_that_arrived_after_a_request_aged_passes_it_in_the_shared
             lease = popped[0]
             order.append(lease.partition("|")[2])
         assert order == ["early", "flex", "late", "new"]
+    finally:
+        keys = [key async for key in redis.scan_iter(match=f"{state.prefix}:*")]
+        if keys:
+            await redis.delete(*keys)
+        await redis.aclose()
+
+
+@pytest.mark.parametrize(
+    ("slack", "mine", "theirs", "capacity", "chosen"),
+    [
+        (0, 1, 0, 4, "w-q"),  # least load exactly (SPEC §6): the other process's worker
+        (0, 1, 1, 4, "w-p"),  # a tie: this process's own
+        (1, 1, 0, 4, "w-p"),  # one more in flight, within the slack: stays here
+        (1, 2, 0, 4, "w-q"),  # two more: beyond it
+        (1, 1, 0, 1, "w-q"),  # within it but full: never over capacity
+        (3, 3, 0, 4, "w-p"),
+    ],
+)
+async def test_a_local_slack_keeps_a_request_on_its_own_process_within_that_many_requests(
+    slack: int, mine: int, theirs: int, capacity: int, chosen: str
+):
+    """CLUSTER_LOCAL_SLACK in the placing script (on the tests' Redis): a worker of the
+    process that has the request wins while it has a free slot and at most ``slack``
+    requests in flight more than the least loaded; 0 is least load exactly."""
+    import redis.asyncio as aioredis
+
+    require_redis()
+    redis = aioredis.from_url(REDIS_URL)
+    state = ClusterState(redis, f"mrtest-{secrets.token_hex(4)}")
+    now = now_ms()
+    try:
+        for proc, load, cap in (("p", mine, capacity), ("q", theirs, 4)):
+            leases = {f"{proc}|busy{i}": now + 60_000 for i in range(load)}
+            row = WorkerRow(f"w-{proc}", "local", cap, False, False, ("m",), leases)
+            await state.announce(proc, f"http://127.0.0.1:{proc}", [row], now, 60_000, "c")
+        kind, placed, _, _ = await state.place(
+            provider="local", model="m", entry="p|new", origin="p", now_ms=now,
+            deadline_ms=now + 60_000, hold_ms=60_000, seq=0, max_queue=-1,
+            lane=lane_of("default", None, False), service_class="default",
+            local_slack=slack,
+        )  # fmt: skip
+        assert kind == "placed" and placed is not None
+        assert placed.worker_id == chosen
     finally:
         keys = [key async for key in redis.scan_iter(match=f"{state.prefix}:*")]
         if keys:

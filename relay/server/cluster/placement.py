@@ -67,12 +67,17 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads, ClusterSpeeds
         tick: float = TICK_SECS,
         ttl: float = TTL_SECS,
         share_speeds: float = SHARE_SECS,
+        local_slack: int = 0,
     ) -> None:
         """``redis``: where Redis is (the process's :class:`RedisSource`, or a URL);
         ``tick``: how often the control loop runs; ``ttl``: how long this process's
         keys outlive its last tick (CLUSTER_TICK_SECS, CLUSTER_TTL_SECS);
-        ``share_speeds``: how often it shares the speeds it learned (RATES_SHARE_SECS)."""
+        ``share_speeds``: how often it shares the speeds it learned (RATES_SHARE_SECS);
+        ``local_slack``: how many requests in flight more than the least loaded worker a
+        worker of this process may have and still take a request that arrived here
+        (CLUSTER_LOCAL_SLACK)."""
         self.relay = relay
+        self.local_slack = local_slack
         self.instance = relay.instance
         self.tick = tick
         self.ttl_ms = max(1, int(ttl * 1000))
@@ -196,6 +201,7 @@ class RedisPlacement(Convergence, ClusterPreemption, ClusterLoads, ClusterSpeeds
                 anchor_ttl_ms=int(self.relay.config.affinity.cluster_ttl * 1000),
                 costs=costs,
                 default_cost=default_cost,
+                local_slack=self.local_slack,
             )
         except TROUBLE as exc:
             self._trouble(exc)  # it waits here; this process's workers take it

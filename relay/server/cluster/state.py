@@ -196,6 +196,7 @@ class ClusterState:
         load_slack: int = 0,
         costs: str = "",
         default_cost: tuple[float, float] = (0.0, 0.0),
+        local_slack: int = 0,
     ) -> tuple[str, Placed | None, int, bool]:
         """Reserve the least-loaded slot for ``model`` or queue ``entry`` at the back of
         ``lane`` (see :func:`lane_of`), whose turns are ``weight`` requests long.
@@ -218,6 +219,10 @@ class ClusterState:
         process's predicted cost of each worker, from the speeds the processes share;
         then the worker with the lowest cost within the guard is chosen, a worker
         without an entry costing ``default_cost`` (base, per request in flight).
+
+        ``local_slack``: under least load, a worker of ``origin`` with a free slot takes
+        the request while its load is at most this much above the least (the least
+        loaded of them; 0: only on a tie), so that it need not cross to another process.
         """
         reply = await self._place(
             args=[
@@ -243,6 +248,7 @@ class ClusterState:
                 costs,
                 default_cost[0],
                 default_cost[1],
+                local_slack,
             ]
         )
         kind, worker, owner, address = (self.decode(part) for part in reply[:4])

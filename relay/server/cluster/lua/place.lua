@@ -23,9 +23,13 @@ local slack = tonumber(ARGV[19] or '0')
 -- cost, less its saving when it is the conversation's worker.
 local costs_arg = ARGV[20] or ''
 local default_base, default_per = tonumber(ARGV[21] or '0'), tonumber(ARGV[22] or '0')
+-- Least load prefers the placing process's own workers: one with a free slot and at most
+-- this many requests in flight above the least loaded takes the request (it would
+-- otherwise cross Redis both ways); 0: only on a tie.
+local local_slack = tonumber(ARGV[23] or '0')
 local members_key = P .. ':m:' .. provider .. ':' .. model
 local best, ties, near = nil, {}, {}
-local open, total = {}, 0
+local open, total, mine = {}, 0, {}
 for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
   local w = live(P, wid, model)
   if not w then
@@ -37,6 +41,9 @@ for _, wid in ipairs(redis.call('SMEMBERS', members_key)) do
     if load < tonumber(w[2]) then
       table.insert(open, {wid, load})
       total = total + load
+      if w[1] == origin then
+        table.insert(mine, {wid, load})
+      end
       if best == nil or load < best then
         best, ties, near = load, {}, {}
       end
@@ -70,6 +77,23 @@ if anchor ~= '' and #open > 0 then
         end
       end
     end
+  end
+end
+if local_slack > 0 and #mine > 0 and not chosen then
+  -- The least loaded of this process's workers, when within the slack of the least.
+  local low, own = nil, {}
+  for _, c in ipairs(mine) do
+    if c[2] <= best + local_slack then
+      if low == nil or c[2] < low then
+        low, own = c[2], {}
+      end
+      if c[2] == low then
+        table.insert(own, c[1])
+      end
+    end
+  end
+  if #own > 0 then
+    near = own
   end
 end
 if costs_arg ~= '' and #open > 0 then
