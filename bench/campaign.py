@@ -250,10 +250,17 @@ class Campaign:
             ],
             cwd=ROOT,
         )
+        self.upstream_proc = proc
         match = proc.wait_for_line(r"upstream listening on (http://\S+)", timeout=30)
         self.upstream_url = match.group(1)
         self.upstream_port = int(self.upstream_url.rsplit(":", 1)[1])
         self.upstream_pid = proc.pid
+
+    def ensure_upstream(self) -> None:
+        """Start the shared upstream again if a scenario stopped it (those that start
+        processes of their own stop every process when they are done)."""
+        if not self.upstream_proc.alive():
+            self.start_upstream()
 
     def start_target(self, name: str) -> targets.Target:
         if name == "direct":
@@ -488,11 +495,13 @@ class Campaign:
             self.log("streams that survive a dropped connection (background mode, replay):")
             self.res["resume"] = resume.run(self.procs, self.workdir, self.s, self.log)
         if "p" in only:
+            self.ensure_upstream()
             self.log("ModelRelay cluster on a Redis watched by Sentinel:")
             self.res["failover"] = failover.run(
                 self.procs, self.workdir, self.upstream_url, self.upstream_pid, self.s, self.log
             )
         if "e" in only:
+            self.ensure_upstream()
             for name in names:
                 if name in RELAYS:
                     self.log(f"{RELAYS[name][0]} memory and idle workers:")
